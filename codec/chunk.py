@@ -1,0 +1,51 @@
+"""encode_chunk / decode_chunk: the codec's public entry points.
+
+A chunk's KV is a tensor of shape (layers, 2, kv_heads, tokens, head_dim),
+keys at index 0 and values at index 1 of the second axis.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from codec import container, lossless
+from codec.dtypes import code_dtype, dtype_code
+from codec.errors import CodecError
+from codec.levels import Level, Scheme
+
+
+def encode_chunk(kv: torch.Tensor, level: Level) -> bytes:
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ValueError(f"KV chunk must be (layers, 2, kv_heads, tokens, head_dim), got {tuple(kv.shape)}")
+    if level.scheme is Scheme.RAW:
+        payload = lossless.raw_bytes(kv)
+    elif level.scheme is Scheme.ZSTD:
+        payload = lossless.zstd_encode(kv)
+    else:  # pragma: no cover - every scheme is handled above
+        raise ValueError(f"no encoder for scheme {level.scheme}")
+    layers, _, heads, tokens, head_dim = kv.shape
+    header = container.ChunkHeader(
+        scheme=int(level.scheme),
+        dtype=dtype_code(kv.dtype),
+        layers=layers,
+        kv_heads=heads,
+        head_dim=head_dim,
+        tokens=tokens,
+        payload_len=len(payload),
+    )
+    return container.pack(header, payload)
+
+
+def decode_chunk(data: bytes | memoryview) -> torch.Tensor:
+    """The KV tensor of a chunk, on the CPU, in the dtype it was encoded from."""
+    header, payload = container.unpack(data)
+    dtype = code_dtype(header.dtype)
+    try:
+        scheme = Scheme(header.scheme)
+    except ValueError:
+        raise CodecError(f"unknown scheme {header.scheme}") from None
+    if scheme is Scheme.RAW:
+        return lossless.from_raw(payload, dtype, header.shape)
+    if scheme is Scheme.ZSTD:
+        return lossless.zstd_decode(payload, dtype, header.shape)
+    raise CodecError(f"no decoder for scheme {scheme.name}")  # pragma: no cover

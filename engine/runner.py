@@ -1,0 +1,142 @@
+"""Prefill on top of explicit KV tensors, and token-by-token decoding.
+
+KV tensors cross this boundary in one layout, shared with the codec:
+``(layers, 2, kv_heads, tokens, head_dim)``, keys at index 0 of axis 1, on the
+model's device and in its dtype. Keys are stored after rotary embedding, so a
+prefix cache is only valid at the positions it was computed at (position 0 on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from engine.loading import LoadedModel
+from engine.sampling import SamplingParams, make_generator, sample_next
+
+
+@dataclass
+class PrefillResult:
+    cache: DynamicCache
+    last_logits: torch.Tensor  # (vocab,) float32, the distribution of the next token
+    prompt_logits: torch.Tensor | None  # (new_tokens, vocab) when asked for
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        config = self.model.config
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.max_context: int = int(getattr(config, "max_position_embeddings", 2048))
+        self.eos_token_ids: frozenset[int] = _eos_ids(loaded)
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
+
+    # -- KV tensors <-> transformers cache ---------------------------------------------------
+
+    def cache_from_kv(self, kv: torch.Tensor | None) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        if kv is None or kv.shape[3] == 0:
+            return cache
+        kv = kv.to(device=self.device, dtype=self.loaded.dtype)
+        for layer in range(self.num_layers):
+            cache.update(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0), layer)
+        return cache
+
+    def kv_from_cache(self, cache: DynamicCache, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The cached tokens ``[start, end)`` as one (layers, 2, heads, tokens, head_dim) tensor."""
+        parts = [
+            torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
+            for layer in cache.layers
+        ]
+        return torch.stack(parts)
+
+    # -- model passes -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        token_ids: list[int],
+        prefix_kv: torch.Tensor | None = None,
+        *,
+        want_prompt_logits: bool = False,
+    ) -> PrefillResult:
+        """Run the model over ``token_ids`` after the ``prefix_kv`` tokens.
+
+        ``token_ids`` are the tokens *after* the prefix and must not be empty:
+        the last one produces the next-token distribution.
+        """
+        if not token_ids:
+            raise ValueError("prefill needs at least one token after the cached prefix")
+        cache = self.cache_from_kv(prefix_kv)
+        past = cache.get_seq_length()
+        input_ids = torch.tensor([token_ids], device=self.device)
+        positions = torch.arange(past, past + len(token_ids), device=self.device).unsqueeze(0)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if want_prompt_logits else 1,
+        )
+        logits = out.logits[0].float()
+        return PrefillResult(
+            cache=cache,
+            last_logits=logits[-1],
+            prompt_logits=logits if want_prompt_logits else None,
+        )
+
+    def compute_kv(self, token_ids: list[int]) -> torch.Tensor:
+        """Prefill a whole context from scratch and return its KV."""
+        return self.kv_from_cache(self.prefill(token_ids).cache)
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        state: PrefillResult,
+        params: SamplingParams,
+        max_new_tokens: int,
+    ) -> Iterator[int]:
+        """Yield sampled tokens until EOS (not yielded) or ``max_new_tokens``.
+
+        The caller stops early by closing the generator (stop strings, a
+        client that went away).
+        """
+        generator = make_generator(params.seed, self.device)
+        cache, logits = state.cache, state.last_logits
+        for step in range(max_new_tokens):
+            token = sample_next(logits, params, generator)
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return
+            yield token
+            if step + 1 == max_new_tokens:
+                return
+            pos = cache.get_seq_length()
+            out = self.model(
+                input_ids=torch.tensor([[token]], device=self.device),
+                position_ids=torch.tensor([[pos]], device=self.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = out.logits[0, -1].float()
+
+
+def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = loaded.model.generation_config.eos_token_id if loaded.model.generation_config else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(loaded.tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,78 @@
+"""The object-store interface that every backend implements.
+
+Keys are '/'-separated relative paths made of ``[A-Za-z0-9._-]`` segments; the
+store treats values as opaque bytes. Batched calls have sequential defaults
+that backends with real round trips override.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+_KEY_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def check_key(key: str) -> str:
+    """Reject keys that could escape a prefix or a directory."""
+    parts = key.split("/")
+    if not key or any(p in ("", ".", "..") or not _KEY_SEGMENT.match(p) for p in parts):
+        raise ValueError(f"invalid object key: {key!r}")
+    return key
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+class ObjectStore(abc.ABC):
+    """A flat namespace of immutable-ish byte objects."""
+
+    url: str
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """Whole object; raises ObjectNotFound."""
+
+    @abc.abstractmethod
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes from ``start`` (fewer at the end of the object)."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """Write atomically: readers see the old object, or the whole new one."""
+
+    @abc.abstractmethod
+    def head(self, key: str) -> ObjectInfo | None:
+        """Size of the object, or None when it does not exist."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; deleting a missing key is not an error."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Objects whose key starts with ``prefix``, in key order."""
+
+    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        """Objects in order, None for the missing ones."""
+        out: list[bytes | None] = []
+        for key in keys:
+            try:
+                out.append(self.get(key))
+            except ObjectNotFound:
+                out.append(None)
+        return out
+
+    def exists_many(self, keys: Iterable[str]) -> list[bool]:
+        return [self.head(k) is not None for k in keys]
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; the default has nothing to release."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

@@ -1,0 +1,13 @@
+"""Exceptions raised by every storage backend."""
+
+
+class StorageError(Exception):
+    """A store operation failed (the object may or may not exist)."""
+
+
+class ObjectNotFound(StorageError):
+    """The key does not exist in the store."""
+
+
+class StorageUnavailable(StorageError):
+    """The store could not be reached, or refused us (network, credentials, bucket)."""

@@ -1,0 +1,90 @@
+"""A local directory as an object store (``file:///path``), the embedded default.
+
+Writes go to a temporary file in the same directory and are renamed into
+place, so a reader never sees half an object, and a crash leaves at most a
+stray ``.tmp-*`` file that listing ignores.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from storage.base import ObjectInfo, ObjectStore, check_key
+from storage.errors import ObjectNotFound, StorageError
+
+_TMP_PREFIX = ".tmp-"
+
+
+class LocalStore(ObjectStore):
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        self.url = f"file://{self.root}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create store directory {self.root}: {exc}") from exc
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFound(key) from None
+        except OSError as exc:
+            raise StorageError(f"read {key}: {exc}") from exc
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        try:
+            with self._path(key).open("rb") as f:
+                f.seek(start)
+                return f.read(length)
+        except FileNotFoundError:
+            raise ObjectNotFound(key) from None
+        except OSError as exc:
+            raise StorageError(f"read {key}: {exc}") from exc
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as exc:
+            raise StorageError(f"write {key}: {exc}") from exc
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            return ObjectInfo(key, self._path(key).stat().st_size)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageError(f"stat {key}: {exc}") from exc
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as exc:
+            raise StorageError(f"delete {key}: {exc}") from exc
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        found: list[ObjectInfo] = []
+        for dirpath, _dirs, files in os.walk(self.root):
+            rel_dir = Path(dirpath).relative_to(self.root)
+            for name in files:
+                if name.startswith(_TMP_PREFIX):
+                    continue
+                key = (rel_dir / name).as_posix() if rel_dir != Path(".") else name
+                if key.startswith(prefix):
+                    found.append(ObjectInfo(key, (Path(dirpath) / name).stat().st_size))
+        return iter(sorted(found, key=lambda info: info.key))

@@ -1,0 +1,27 @@
+"""Pick a backend from a store URL."""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+from storage.base import ObjectStore
+
+
+def open_store(url: str) -> ObjectStore:
+    """``file:///abs/dir``, ``memory://`` or ``s3://bucket/prefix``."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        from storage.local import LocalStore
+
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"file:// URLs take an absolute path, got {url!r}")
+        return LocalStore(parsed.path)
+    if parsed.scheme == "memory":
+        from storage.memory import MemoryStore
+
+        return MemoryStore(url)
+    if parsed.scheme == "s3":
+        from storage.s3 import S3Store
+
+        return S3Store.from_url(url)
+    raise ValueError(f"unsupported store URL {url!r}: use file://, memory:// or s3://")
