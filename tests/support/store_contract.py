@@ -1,0 +1,81 @@
+"""Behaviour every ObjectStore must share, written once and run against each backend.
+
+A test module subclasses ``StoreContract`` and provides a ``store`` fixture
+(an empty store); pytest then runs these methods against that backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from storage.base import ObjectInfo, ObjectStore
+from storage.errors import ObjectNotFound
+
+
+class StoreContract:
+    def test_put_get_round_trip(self, store: ObjectStore) -> None:
+        store.put("ctx/a/0.bin", b"hello")
+        assert store.get("ctx/a/0.bin") == b"hello"
+
+    def test_put_accepts_memoryview(self, store: ObjectStore) -> None:
+        buf = bytearray(os.urandom(4096))
+        store.put("mv.bin", memoryview(buf)[100:3000])
+        assert store.get("mv.bin") == bytes(buf[100:3000])
+
+    def test_overwrite_replaces_whole_object(self, store: ObjectStore) -> None:
+        store.put("k", b"first version, longer")
+        store.put("k", b"second")
+        assert store.get("k") == b"second"
+        assert store.head("k") == ObjectInfo("k", 6)
+
+    def test_empty_object(self, store: ObjectStore) -> None:
+        store.put("empty", b"")
+        assert store.get("empty") == b""
+        assert store.head("empty") == ObjectInfo("empty", 0)
+
+    def test_get_range(self, store: ObjectStore) -> None:
+        data = bytes(range(256)) * 4
+        store.put("r", data)
+        assert store.get_range("r", 0, 10) == data[:10]
+        assert store.get_range("r", 500, 100) == data[500:600]
+        assert store.get_range("r", len(data) - 5, 100) == data[-5:]
+        assert store.get_range("r", len(data) + 5, 10) == b""
+
+    def test_missing_key(self, store: ObjectStore) -> None:
+        with pytest.raises(ObjectNotFound):
+            store.get("nope/0.bin")
+        with pytest.raises(ObjectNotFound):
+            store.get_range("nope/0.bin", 0, 10)
+        assert store.head("nope/0.bin") is None
+
+    def test_delete(self, store: ObjectStore) -> None:
+        store.put("d", b"x")
+        store.delete("d")
+        assert store.head("d") is None
+        store.delete("d")  # deleting a missing key is not an error
+
+    def test_list_by_prefix_in_key_order(self, store: ObjectStore) -> None:
+        for key in ("b/2", "a/1", "b/1", "c", "b10"):
+            store.put(key, key.encode())
+        assert [i.key for i in store.list("b/")] == ["b/1", "b/2"]
+        assert [i.key for i in store.list("b")] == ["b/1", "b/2", "b10"]
+        assert list(store.list()) == [ObjectInfo(k, len(k)) for k in ("a/1", "b/1", "b/2", "b10", "c")]
+
+    def test_batched_calls_keep_order(self, store: ObjectStore) -> None:
+        keys = [f"chunks/{i:03d}" for i in range(20)]
+        for i, key in enumerate(keys):
+            if i % 3:
+                store.put(key, f"chunk {i}".encode())
+        got = store.get_many(keys)
+        assert got == [None if i % 3 == 0 else f"chunk {i}".encode() for i in range(20)]
+        assert store.exists_many(keys) == [bool(i % 3) for i in range(20)]
+        assert store.get_many([]) == [] and store.exists_many([]) == []
+
+    @pytest.mark.parametrize("key", ["", "/abs", "a//b", "../x", "a/../b", "a/./b", "sp ace", "a/"])
+    def test_rejects_bad_keys(self, store: ObjectStore, key: str) -> None:
+        with pytest.raises(ValueError):
+            store.put(key, b"x")
+        with pytest.raises(ValueError):
+            store.get(key)
