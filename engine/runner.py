@@ -84,7 +84,7 @@ class ModelRunner:
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=0 if want_prompt_logits else 1,
         )
@@ -105,8 +105,8 @@ class ModelRunner:
         state: PrefillResult,
         params: SamplingParams,
         max_new_tokens: int,
-    ) -> Iterator[int]:
-        """Yield sampled tokens until EOS (not yielded) or ``max_new_tokens``.
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield ``(token, logits it was sampled from)`` until EOS (not yielded) or ``max_new_tokens``.
 
         The caller stops early by closing the generator (stop strings, a
         client that went away).
@@ -117,14 +117,14 @@ class ModelRunner:
             token = sample_next(logits, params, generator)
             if token in self.eos_token_ids and not params.ignore_eos:
                 return
-            yield token
+            yield token, logits
             if step + 1 == max_new_tokens:
                 return
             pos = cache.get_seq_length()
             out = self.model(
                 input_ids=torch.tensor([[token]], device=self.device),
                 position_ids=torch.tensor([[pos]], device=self.device),
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
             )
             logits = out.logits[0, -1].float()

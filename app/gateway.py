@@ -1,0 +1,244 @@
+"""The gateway's long-lived parts, built once in ``create_app`` and shared by the routes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from app.metrics import Metrics
+from app.pipeline import Finished, GenerationJob, Pipeline, PromptDone, TokenEvent
+from app.protocol import ChatMessage, PromptTokensDetails, Usage
+from app.settings import Settings
+from app.worker import ModelWorker
+from codec import DEFAULT_LEVELS, Level, level_by_name
+from engine import ModelRunner, load_model
+from scheduler.contexts import ContextStore
+from scheduler.geometry import KVGeometry
+from scheduler.loader import PrefixLoader
+from scheduler.prefix import make_fingerprint, weights_digest
+from storage import ObjectStore, open_store
+
+log = logging.getLogger(__name__)
+
+
+def load_levels(settings: Settings) -> tuple[Level, ...]:
+    if settings.levels_file is None:
+        return DEFAULT_LEVELS
+    import json
+
+    from codec.levels import load_level_table
+
+    return load_level_table(json.loads(settings.levels_file.read_text()))
+
+
+@dataclass
+class Gateway:
+    settings: Settings
+    runner: ModelRunner
+    store: ObjectStore
+    contexts: ContextStore
+    pipeline: Pipeline
+    worker: ModelWorker
+    metrics: Metrics
+    levels: tuple[Level, ...]
+    io_pool: ThreadPoolExecutor
+
+    @property
+    def model_name(self) -> str:
+        return self.runner.loaded.name
+
+    @property
+    def max_context(self) -> int:
+        return self.runner.max_context
+
+    # -- request checks ---------------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model_name, self.settings.model):
+            raise ModelNotFound(
+                f"model {name!r} does not exist; this gateway serves {self.model_name!r}", param="model"
+            )
+
+    def levels_for(self, quality: str, use_kv: bool) -> list[Level]:
+        if not use_kv:
+            return []
+        if quality == "auto":
+            return list(self.levels)
+        try:
+            return [level_by_name(quality, self.levels)]
+        except KeyError:
+            names = ", ".join(["auto", *(lv.name for lv in self.levels)])
+            raise InvalidRequest(f"unknown kv_quality {quality!r}; use one of: {names}", param="kv_quality") from None
+
+    def encode_levels(self, names: list[str] | None) -> list[Level]:
+        names = names or self.settings.encode_levels
+        if not names:
+            return list(self.levels)
+        try:
+            return [level_by_name(n, self.levels) for n in dict.fromkeys(names)]
+        except KeyError as exc:
+            raise InvalidRequest(f"unknown level {exc.args[0]!r}", param="levels") from None
+
+    def token_budget(self, prompt_len: int, requested: int | None, default: int | None = None) -> int:
+        """max_tokens after the context-window checks."""
+        if prompt_len >= self.max_context:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {self.max_context} tokens; "
+                f"the prompt has {prompt_len}",
+                param="messages",
+            )
+        room = self.max_context - prompt_len
+        if requested is None:
+            return min(room, default if default is not None else self.settings.default_max_tokens)
+        if requested > room:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {self.max_context} tokens; the prompt has "
+                f"{prompt_len} and max_tokens asks for {requested}",
+                param="max_tokens",
+            )
+        return requested
+
+    # -- tokenization -----------------------------------------------------------------------------
+
+    def chat_token_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        conversation = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages
+        ]
+        try:
+            text = self.runner.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # jinja raises its own errors for conversations a template refuses
+            raise InvalidRequest(f"the model's chat template rejects these messages: {exc}", param="messages")
+        return self.text_token_ids(text, add_special_tokens=False)
+
+    def text_token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.runner.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = len(self.runner.tokenizer)
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {vocab})", param=param)
+
+    # -- running jobs -----------------------------------------------------------------------------
+
+    def events(self, job: GenerationJob) -> AsyncIterator[Any]:
+        return self.worker.stream(lambda emit, cancel: self.pipeline.run(job, emit, cancel))
+
+    def observe(self, endpoint: str, started: float, prompt: PromptDone | None, finished: Finished | None) -> None:
+        m = self.metrics
+        if prompt is not None:
+            info = prompt.kv_info
+            m.prompt_tokens.inc(info.recomputed_tokens)
+            for fault in prompt.faults:
+                m.kv_store_faults.labels(fault).inc()
+            if prompt.load.chunks:
+                m.kv_load_seconds.observe(info.load_ms / 1000)
+                for chunk in prompt.load.chunks:
+                    m.kv_bytes_loaded.labels(chunk.level).inc(chunk.bytes)
+        if finished is not None:
+            m.generation_tokens.inc(finished.completion_tokens)
+            m.requests.labels(endpoint, finished.reason).inc()
+            m.e2e_latency.observe(time.perf_counter() - started)
+
+    def record_lookup(self, prompt_len: int, cached: int, used_store: bool) -> None:
+        if used_store:
+            self.metrics.prefix_queries.inc(prompt_len)
+            self.metrics.prefix_hits.inc(cached)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+@dataclass
+class Outcome:
+    """A finished non-streaming job."""
+
+    prompt: PromptDone
+    tokens: list[TokenEvent]
+    finished: Finished
+
+    @property
+    def text(self) -> str:
+        return "".join(t.text for t in self.tokens) + self.finished.text_tail
+
+
+async def collect(gateway: Gateway, endpoint: str, job: GenerationJob) -> Outcome:
+    """Run a job to the end (non-streaming requests), recording its metrics."""
+    started = time.perf_counter()
+    prompt: PromptDone | None = None
+    tokens: list[TokenEvent] = []
+    finished: Finished | None = None
+    async for event in gateway.events(job):
+        if isinstance(event, PromptDone):
+            prompt = event
+            gateway.record_lookup(len(job.prompt_ids), event.kv_info.cached_tokens, bool(job.levels))
+        elif isinstance(event, TokenEvent):
+            if not tokens:
+                gateway.metrics.ttft.observe(time.perf_counter() - started)
+            tokens.append(event)
+        elif isinstance(event, Finished):
+            finished = event
+    assert prompt is not None and finished is not None
+    gateway.observe(endpoint, started, prompt, finished)
+    return Outcome(prompt, tokens, finished)
+
+
+def build_gateway(settings: Settings) -> Gateway:
+    if settings.torch_threads:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
+    loaded = load_model(
+        settings.model, device=settings.device, cache_dir=settings.cache_dir, served_name=settings.served_model_name
+    )
+    runner = ModelRunner(loaded)
+    tokenizer = loaded.tokenizer
+    vocab = sorted(tokenizer.get_vocab().items())
+    fingerprint = make_fingerprint(
+        weights=weights_digest(loaded.model.named_parameters()),
+        config=loaded.model.config.to_dict(),
+        vocabulary=str(vocab),
+        chunk_size=settings.chunk_size,
+    )
+    store = open_store(settings.store_url)
+    if settings.store_cache_bytes:
+        from storage.tiered import LRUCacheStore
+
+        store = LRUCacheStore(store, settings.store_cache_bytes)
+    io_pool = ThreadPoolExecutor(max_workers=settings.store_threads, thread_name_prefix="kv-io")
+    contexts = ContextStore(store, fingerprint, loaded.name, settings.chunk_size, io_pool)
+    geometry = KVGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim)
+    loader = PrefixLoader(store, geometry, settings.chunk_size, io_pool)
+    metrics = Metrics()
+    log.info(
+        "serving %s on %s (%s), KV store %s, fingerprint %s",
+        loaded.name,
+        loaded.device,
+        loaded.dtype,
+        store,
+        fingerprint.hex[:16],
+    )
+    return Gateway(
+        settings=settings,
+        runner=runner,
+        store=store,
+        contexts=contexts,
+        pipeline=Pipeline(runner, contexts, loader),
+        worker=ModelWorker(settings.max_queue, metrics),
+        metrics=metrics,
+        levels=load_levels(settings),
+        io_pool=io_pool,
+    )

@@ -1,0 +1,52 @@
+"""Prometheus metrics, named after vLLM's (``cachegen:`` instead of ``vllm:``).
+
+One registry per app instance, so tests can run several apps in a process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "cachegen:time_to_first_token_seconds", "Time to first token.", registry=r, buckets=_TTFT_BUCKETS
+        )
+        self.e2e_latency = Histogram(
+            "cachegen:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.requests = Counter(
+            "cachegen:request_success", "Finished requests.", ["endpoint", "finished_reason"], registry=r
+        )
+        self.http_errors = Counter(
+            "cachegen:request_errors", "Requests answered with an error.", ["status"], registry=r
+        )
+        self.prompt_tokens = Counter("cachegen:prompt_tokens", "Prefill tokens processed.", registry=r)
+        self.generation_tokens = Counter("cachegen:generation_tokens", "Generated tokens.", registry=r)
+        self.prefix_queries = Counter(
+            "cachegen:prefix_cache_queries", "Prompt tokens looked up in the KV store.", registry=r
+        )
+        self.prefix_hits = Counter(
+            "cachegen:prefix_cache_hits", "Prompt tokens whose KV came from the store.", registry=r
+        )
+        self.kv_bytes_loaded = Counter(
+            "cachegen:kv_bytes_loaded", "Encoded KV bytes fetched from the store.", ["level"], registry=r
+        )
+        self.kv_load_seconds = Histogram(
+            "cachegen:kv_load_seconds", "Fetch and decode time of a prefix.", registry=r, buckets=_TTFT_BUCKETS
+        )
+        self.kv_store_faults = Counter(
+            "cachegen:kv_store_faults", "Stored KV that could not be used (recomputed).", ["kind"], registry=r
+        )
+        self.contexts_encoded = Counter("cachegen:contexts_encoded", "Contexts pre-encoded.", registry=r)
+        self.running = Gauge("cachegen:num_requests_running", "Requests on the model.", registry=r)
+        self.waiting = Gauge("cachegen:num_requests_waiting", "Requests queued for the model.", registry=r)

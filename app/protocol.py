@@ -1,0 +1,175 @@
+"""Request and response models of the HTTP API (OpenAI's shapes plus documented extensions).
+
+Pure data: nothing here imports the engine, the scheduler or the store.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Stop = str | Annotated[list[str], Field(max_length=4)] | None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class KVExtension(BaseModel):
+    """Extension fields shared by chat and completions requests."""
+
+    kv_cache: bool = Field(True, description="false: ignore stored KV for this request")
+    kv_quality: str = Field("auto", description="'auto' or a level name such as 'lossless'")
+
+
+class SamplingFields(BaseModel):
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    seed: int | None = None
+    stop: Stop = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: Stop) -> Stop:
+        stops = [value] if isinstance(value, str) else value or []
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(SamplingFields, KVExtension):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_max(self) -> ChatCompletionRequest:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            if self.max_tokens != self.max_completion_tokens:
+                raise ValueError("set max_tokens or max_completion_tokens, not both")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(SamplingFields, KVExtension):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | list[str]
+    max_tokens: Annotated[int, Field(ge=0)] = 16
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], str):
+            if len(value) != 1:
+                raise ValueError("only one prompt per request is supported")
+            return value[0]
+        if isinstance(value, str) and value == "":
+            raise ValueError("prompt must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _zero_tokens_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only allowed with echo")
+        return self
+
+
+class ContextRequest(BaseModel):
+    """POST /contexts: exactly one of text, messages, prompt_token_ids."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    text: Annotated[str, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    prompt_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    levels: Annotated[list[str], Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> ContextRequest:
+        given = [f for f in ("text", "messages", "prompt_token_ids") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of text, messages, prompt_token_ids")
+        return self
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class KVChunkInfo(BaseModel):
+    index: int
+    tokens: int
+    level: str
+    bytes: int
+    source: Literal["store"] = "store"
+
+
+class KVCacheInfo(BaseModel):
+    """Extension field ``kv_cache_info``: where the prompt's KV came from."""
+
+    cached_tokens: int
+    recomputed_tokens: int
+    chunks: list[KVChunkInfo]
+    load_ms: float
+    prefill_ms: float
+    faults: list[str] = []

@@ -1,0 +1,165 @@
+"""POST /v1/completions (the legacy text API; with echo + logprobs, how quality is measured)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from app.gateway import Gateway, collect, usage
+from app.pipeline import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
+from app.protocol import CompletionRequest, new_id, now
+from app.sse import sse, stream_response
+from engine.sampling import SamplingParams
+
+
+def _job(gateway: Gateway, request: CompletionRequest) -> GenerationJob:
+    gateway.check_model(request.model)
+    levels = gateway.levels_for(request.kv_quality, request.kv_cache)
+    if isinstance(request.prompt, str):
+        prompt_ids = gateway.text_token_ids(request.prompt)
+        if not prompt_ids:
+            from app.errors import InvalidRequest
+
+            raise InvalidRequest("prompt encodes to no tokens", param="prompt")
+    else:
+        prompt_ids = list(request.prompt)
+        gateway.check_token_ids(prompt_ids, "prompt")
+    max_tokens = gateway.token_budget(len(prompt_ids), request.max_tokens)
+    return GenerationJob(
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=request.temperature, top_p=request.top_p, seed=request.seed),
+        stops=request.stop_list(),
+        levels=levels,
+        prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
+        logprobs=request.logprobs,
+    )
+
+
+class _LogprobsBuilder:
+    """The legacy ``logprobs`` object: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self, offset: int = 0) -> None:
+        self.offset = offset
+        self.body: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def add(self, entry: TokenLogprob) -> None:
+        self.body["tokens"].append(entry.token)
+        self.body["token_logprobs"].append(entry.logprob)
+        self.body["top_logprobs"].append(entry.top)
+        self.body["text_offset"].append(self.offset)
+        self.offset += len(entry.token)
+
+
+def _prompt_text(gateway: Gateway, request: CompletionRequest, job: GenerationJob) -> str:
+    if isinstance(request.prompt, str):
+        return request.prompt
+    return gateway.runner.tokenizer.decode(job.prompt_ids)
+
+
+async def completion(gateway: Gateway, request: CompletionRequest) -> JSONResponse | StreamingResponse:
+    job = _job(gateway, request)
+    if request.stream:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        return stream_response(
+            _stream(gateway, request, job, include_usage),
+            on_error=lambda exc: gateway.metrics.http_errors.labels("stream").inc(),
+        )
+
+    out = await collect(gateway, "completions", job)
+    text = out.text
+    logprobs = None
+    if request.logprobs is not None:
+        builder = _LogprobsBuilder()
+        for entry in out.prompt.prompt_logprobs or []:
+            builder.add(entry)
+        for token in out.tokens:
+            assert token.logprob is not None
+            builder.add(token.logprob)
+        logprobs = builder.body
+    if request.echo:
+        text = _prompt_text(gateway, request, job) + text
+    body = {
+        "id": new_id("cmpl"),
+        "object": "text_completion",
+        "created": now(),
+        "model": gateway.model_name,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": out.finished.reason}],
+        "usage": usage(
+            len(job.prompt_ids), out.finished.completion_tokens, out.prompt.kv_info.cached_tokens
+        ).model_dump(),
+        "kv_cache_info": out.prompt.kv_info.model_dump(),
+    }
+    return JSONResponse(body)
+
+
+async def _stream(
+    gateway: Gateway, request: CompletionRequest, job: GenerationJob, include_usage: bool
+) -> AsyncIterator[str]:
+    started = time.perf_counter()
+    chunk_id, created = new_id("cmpl"), now()
+
+    def chunk(text: str, logprobs: dict | None = None, finish: str | None = None, **extra: Any) -> str:
+        return sse(
+            {
+                "id": chunk_id,
+                "object": "text_completion",
+                "created": created,
+                "model": gateway.model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+                **extra,
+            }
+        )
+
+    prompt: PromptDone | None = None
+    finished: Finished | None = None
+    first = True
+    offset = 0
+    try:
+        async for event in gateway.events(job):
+            if isinstance(event, PromptDone):
+                prompt = event
+                gateway.record_lookup(len(job.prompt_ids), event.kv_info.cached_tokens, bool(job.levels))
+                if request.echo:
+                    builder = _LogprobsBuilder()
+                    for entry in event.prompt_logprobs or []:
+                        builder.add(entry)
+                    text = _prompt_text(gateway, request, job)
+                    offset = len(text)
+                    yield chunk(
+                        text,
+                        builder.body if request.logprobs is not None else None,
+                        kv_cache_info=event.kv_info.model_dump(),
+                    )
+            elif isinstance(event, TokenEvent):
+                if first:
+                    gateway.metrics.ttft.observe(time.perf_counter() - started)
+                    first = False
+                logprobs = None
+                if event.logprob is not None:
+                    builder = _LogprobsBuilder(offset)
+                    builder.add(event.logprob)
+                    logprobs = builder.body
+                offset += len(event.text)
+                if event.text or logprobs is not None:
+                    yield chunk(event.text, logprobs)
+            elif isinstance(event, Finished):
+                finished = event
+                yield chunk(event.text_tail, None, event.reason)
+                if include_usage and prompt is not None:
+                    u = usage(len(job.prompt_ids), event.completion_tokens, prompt.kv_info.cached_tokens)
+                    yield sse(
+                        {
+                            "id": chunk_id,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": gateway.model_name,
+                            "choices": [],
+                            "usage": u.model_dump(),
+                        }
+                    )
+    finally:
+        gateway.observe("completions", started, prompt, finished)

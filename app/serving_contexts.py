@@ -1,0 +1,77 @@
+"""POST/GET/DELETE /contexts: pre-encoding contexts into the KV store."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from app.gateway import Gateway
+from app.protocol import ContextRequest
+from codec import Level
+from scheduler.manifest import Manifest
+
+
+def context_object(manifest: Manifest) -> dict[str, Any]:
+    return {
+        "id": manifest.id,
+        "object": "context",
+        "model": manifest.model,
+        "created": manifest.created,
+        "tokens": manifest.tokens,
+        "cached_tokens": manifest.cached_tokens,
+        "chunks": len(manifest.chunk_keys),
+        "chunk_size": manifest.chunk_size,
+        "bytes": dict(manifest.level_bytes),
+        "encode_seconds": manifest.encode_seconds,
+    }
+
+
+def context_token_ids(gateway: Gateway, request: ContextRequest) -> list[int]:
+    if request.text is not None:
+        return gateway.text_token_ids(request.text)
+    if request.messages is not None:
+        # templated as the chat endpoint templates them, minus the generation prompt,
+        # so a chat request that starts with these messages shares their tokens
+        return gateway.chat_token_ids(request.messages, add_generation_prompt=False)
+    assert request.prompt_token_ids is not None
+    gateway.check_token_ids(request.prompt_token_ids, "prompt_token_ids")
+    return list(request.prompt_token_ids)
+
+
+def encode_tokens(gateway: Gateway, token_ids: list[int], levels: list[Level]) -> Manifest:
+    """Prefill and store; runs on the model thread."""
+    started = time.perf_counter()
+    kv = gateway.runner.compute_kv(token_ids)
+    manifest = gateway.contexts.save(token_ids, kv, levels, compute_seconds=time.perf_counter() - started)
+    gateway.metrics.contexts_encoded.inc()
+    return manifest
+
+
+async def create_context(gateway: Gateway, request: ContextRequest) -> dict[str, Any]:
+    gateway.check_model(request.model)
+    levels = gateway.encode_levels(request.levels)
+    token_ids = context_token_ids(gateway, request)
+    gateway.token_budget(len(token_ids), 0)
+    manifest = await gateway.worker.call(encode_tokens, gateway, token_ids, levels)
+    return context_object(manifest)
+
+
+async def get_context(gateway: Gateway, context_id: str) -> dict[str, Any]:
+    manifest = await _io(gateway, gateway.contexts.get, context_id)
+    return context_object(manifest)
+
+
+async def list_contexts(gateway: Gateway) -> dict[str, Any]:
+    manifests = await _io(gateway, gateway.contexts.list)
+    return {"object": "list", "data": [context_object(m) for m in manifests]}
+
+
+async def delete_context(gateway: Gateway, context_id: str) -> dict[str, Any]:
+    manifest = await _io(gateway, gateway.contexts.delete, context_id)
+    return {"id": manifest.id, "object": "context.deleted", "deleted": True}
+
+
+async def _io(gateway: Gateway, fn: Any, *args: Any) -> Any:
+    import asyncio
+
+    return await asyncio.wrap_future(gateway.io_pool.submit(fn, *args))

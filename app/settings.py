@@ -1,0 +1,69 @@
+"""The one settings object: environment variables prefixed ``CACHEGEN_``, or a TOML file.
+
+Precedence: constructor arguments, then the environment, then the TOML file
+named by ``CACHEGEN_CONFIG_FILE``, then the defaults below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from engine.loading import DEFAULT_MODEL, default_cache_dir
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CACHEGEN_", extra="ignore")
+
+    config_file: Path | None = Field(None, description="TOML file with any of these settings")
+
+    # model
+    model: str = Field(DEFAULT_MODEL, description="'smollm2' (built in), a model directory, or a hub id")
+    served_model_name: str | None = Field(None, description="name clients put in 'model'")
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
+    cache_dir: Path = Field(default_factory=default_cache_dir, description="converted models live here")
+    torch_threads: int | None = Field(
+        None, ge=1, description="intra-op threads; 1 is much faster when other processes share the cores"
+    )
+
+    # KV store
+    store: str = Field("", description="file:///dir, memory:// or s3://bucket/prefix; default: a dir in cache_dir")
+    store_cache_bytes: int = Field(0, ge=0, description="in-memory LRU in front of the store (0: off)")
+    store_threads: int = Field(8, ge=1, le=256, description="parallel chunk fetches and uploads")
+    chunk_size: int = Field(256, ge=16, le=65536, description="tokens per stored KV chunk")
+    levels_file: Path | None = Field(None, description="JSON level table (see `python -m app calibrate`)")
+    encode_levels: list[str] | None = Field(None, description="levels pre-encode writes; default: all")
+
+    # serving
+    max_queue: int = Field(8, ge=1, description="requests running or waiting before 429")
+    default_max_tokens: int = Field(512, ge=1, description="chat max_tokens when the client sets none")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        import os
+
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get("CACHEGEN_CONFIG_FILE")
+        if config_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+        return tuple(sources)
+
+    @property
+    def store_url(self) -> str:
+        return self.store or f"file://{(self.cache_dir / 'store').resolve()}"

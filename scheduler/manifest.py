@@ -1,0 +1,43 @@
+"""The manifest of a pre-encoded context: JSON, validated on every read."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from scheduler.errors import ManifestError
+
+MANIFEST_VERSION = 1
+
+_HEX64 = r"^[0-9a-f]{64}$"
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: int = Field(MANIFEST_VERSION, ge=1, le=MANIFEST_VERSION)
+    id: str = Field(pattern=r"^ctx-[0-9a-f]{32}$")
+    model: str
+    fingerprint: str = Field(pattern=_HEX64)
+    chunk_size: int = Field(gt=0)
+    tokens: int = Field(ge=0)
+    chunk_keys: list[str]
+    level_bytes: dict[str, int]  # level name -> bytes stored for all chunks at that level
+    created: int
+    encode_seconds: float = Field(ge=0)
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self.chunk_keys) * self.chunk_size
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        try:
+            manifest = cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise ManifestError(f"invalid manifest: {exc.errors()[0]['msg']}") from exc
+        if len(manifest.chunk_keys) * manifest.chunk_size > manifest.tokens:
+            raise ManifestError("manifest lists more chunks than its tokens fill")
+        return manifest

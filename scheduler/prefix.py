@@ -1,0 +1,86 @@
+"""Chunk keys: content addresses for the KV of a run of leading tokens.
+
+Chunk ``i``'s key is ``sha256(key[i-1] || token ids of chunk i)``, rooted in
+a fingerprint of everything that decides what the KV bytes are: the model's
+weights and config, the tokenizer's vocabulary, the chunk size, and the
+storage format version. Nothing process-specific (Python's ``hash``, object
+ids, paths) goes in, so every process on every machine derives the same keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# Bump when the meaning of stored objects changes (key derivation, object layout).
+STORAGE_FORMAT_VERSION = 1
+
+_WEIGHT_SAMPLES_PER_TENSOR = 4096
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Root of the key chain; also names the model in manifests."""
+
+    digest: bytes
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+
+def weights_digest(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Names, shapes and an evenly strided sample of every parameter.
+
+    Hashing all weights would add seconds to start-up; a strided sample of
+    each tensor tells apart any two checkpoints that differ in more than a
+    handful of values, which is what separates real fine-tunes.
+    """
+    h = hashlib.sha256()
+    for name, param in named_parameters:
+        flat = param.detach().reshape(-1)
+        step = max(1, flat.numel() // _WEIGHT_SAMPLES_PER_TENSOR)
+        sample = flat[::step][:_WEIGHT_SAMPLES_PER_TENSOR].to("cpu", torch.float32).numpy()
+        h.update(f"{name}:{tuple(param.shape)}".encode())
+        h.update(np.ascontiguousarray(sample).tobytes())
+    return h.hexdigest()
+
+
+def make_fingerprint(*, weights: str, config: dict, vocabulary: str, chunk_size: int) -> Fingerprint:
+    payload = json.dumps(
+        {
+            "format": STORAGE_FORMAT_VERSION,
+            "weights": weights,
+            "config": config,
+            "vocabulary": vocabulary,
+            "chunk_size": chunk_size,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return Fingerprint(hashlib.sha256(payload.encode()).digest())
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def chunk_keys(fingerprint: Fingerprint, token_ids: Sequence[int], chunk_size: int) -> list[str]:
+    """Keys of every *full* chunk of ``token_ids``, in order."""
+    keys: list[str] = []
+    previous = fingerprint.digest
+    for start in range(0, len(token_ids) - chunk_size + 1, chunk_size):
+        previous = hashlib.sha256(previous + _token_bytes(token_ids[start : start + chunk_size])).digest()
+        keys.append(previous.hex())
+    return keys
+
+
+def context_id(fingerprint: Fingerprint, token_ids: Sequence[int]) -> str:
+    """Same model and same tokens give the same id, in any process."""
+    digest = hashlib.sha256(fingerprint.digest + b"context" + _token_bytes(token_ids)).hexdigest()
+    return f"ctx-{digest[:32]}"
