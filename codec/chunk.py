@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from codec import container, lossless
+from codec import container, lossless, quantized
 from codec.dtypes import code_dtype, dtype_code
 from codec.errors import CodecError
 from codec.levels import Level, Scheme
@@ -21,6 +21,10 @@ def encode_chunk(kv: torch.Tensor, level: Level) -> bytes:
         payload = lossless.raw_bytes(kv)
     elif level.scheme is Scheme.ZSTD:
         payload = lossless.zstd_encode(kv)
+    elif level.scheme is Scheme.QUANT:
+        if level.quant is None:
+            raise ValueError(f"level {level.name!r} has no quantization parameters")
+        payload = quantized.encode(kv, level.quant)
     else:  # pragma: no cover - every scheme is handled above
         raise ValueError(f"no encoder for scheme {level.scheme}")
     layers, _, heads, tokens, head_dim = kv.shape
@@ -37,7 +41,11 @@ def encode_chunk(kv: torch.Tensor, level: Level) -> bytes:
 
 
 def decode_chunk(data: bytes | memoryview) -> torch.Tensor:
-    """The KV tensor of a chunk, on the CPU, in the dtype it was encoded from."""
+    """The KV tensor of a chunk, on the CPU.
+
+    Lossless schemes return the exact dtype and bits they were given; the lossy
+    scheme returns float32 (the caller casts to the model's dtype).
+    """
     header, payload = container.unpack(data)
     dtype = code_dtype(header.dtype)
     try:
@@ -48,4 +56,6 @@ def decode_chunk(data: bytes | memoryview) -> torch.Tensor:
         return lossless.from_raw(payload, dtype, header.shape)
     if scheme is Scheme.ZSTD:
         return lossless.zstd_decode(payload, dtype, header.shape)
+    if scheme is Scheme.QUANT:
+        return quantized.decode(payload, header.shape)
     raise CodecError(f"no decoder for scheme {scheme.name}")  # pragma: no cover

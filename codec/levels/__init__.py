@@ -1,0 +1,141 @@
+"""Quality levels: a name that requests use, bound to an encoding scheme and its parameters.
+
+Lossy levels are model-specific (the steps come from measured sensitivity),
+so they live in a JSON level table per model; ``load_level_table`` validates
+one. ``DEFAULT_LEVELS`` is the table of the default model, shipped next to
+this file and written by ``python -m app calibrate``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from codec.quantized import QuantParams
+
+TABLE_FORMAT = "cachegen-level-table/1"
+DEFAULT_TABLE_FILE = "SmolLM2-135M-Instruct.json"
+
+
+class Scheme(enum.IntEnum):
+    """The scheme byte of the chunk header."""
+
+    RAW = 0
+    ZSTD = 1
+    QUANT = 2
+
+
+@dataclass(frozen=True)
+class Level:
+    name: str
+    scheme: Scheme
+    lossless: bool = True
+    quant: QuantParams | None = field(default=None, compare=False)
+
+
+LOSSLESS = Level("lossless", Scheme.RAW)
+
+
+class LevelTableError(ValueError):
+    """A level table that does not validate."""
+
+
+_LEVEL_KEYS = {"name", "scheme", "key_step", "value_step", "exact_tokens", "groups", "comment"}
+
+
+def _steps(entry: dict[str, Any], key: str, where: str) -> tuple[float, ...]:
+    raw = entry.get(key)
+    values = [raw] if isinstance(raw, int | float) else raw
+    if not isinstance(values, list) or not values:
+        raise LevelTableError(f"{where}: {key} must be a positive number or a non-empty list of them")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            raise LevelTableError(f"{where}: {key} has an entry that is not a positive number: {v!r}")
+    return tuple(float(v) for v in values)
+
+
+def _int(entry: dict[str, Any], key: str, default: int, lo: int, hi: int, where: str) -> int:
+    v = entry.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise LevelTableError(f"{where}: {key} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _level(entry: Any, rms: np.ndarray | None, index: int) -> Level:
+    if not isinstance(entry, dict):
+        raise LevelTableError(f"levels[{index}] must be an object")
+    name = entry.get("name")
+    if not isinstance(name, str) or not name or not name.isascii() or not name.replace("-", "").replace("_", "").isalnum():
+        raise LevelTableError(f"levels[{index}]: name must be a short ascii word, got {name!r}")
+    where = f"level {name!r}"
+    unknown = set(entry) - _LEVEL_KEYS
+    if unknown:
+        raise LevelTableError(f"{where}: unknown fields {sorted(unknown)}")
+    scheme = entry.get("scheme")
+    if scheme == "raw":
+        return Level(name, Scheme.RAW)
+    if scheme == "zstd":
+        return Level(name, Scheme.ZSTD)
+    if scheme != "quant":
+        raise LevelTableError(f"{where}: scheme must be 'raw', 'zstd' or 'quant', got {scheme!r}")
+    key_step = _steps(entry, "key_step", where)
+    value_step = _steps(entry, "value_step", where)
+    if rms is not None:
+        for steps, key in ((key_step, "key_step"), (value_step, "value_step")):
+            if len(steps) not in (1, rms.shape[0]):
+                raise LevelTableError(f"{where}: {key} needs 1 or {rms.shape[0]} entries, has {len(steps)}")
+    params = QuantParams(
+        key_step=key_step,
+        value_step=value_step,
+        key_channel_rms=rms,
+        exact_tokens=_int(entry, "exact_tokens", 1, 0, 65535, where),
+        groups=_int(entry, "groups", 2, 1, 255, where),
+    )
+    return Level(name, Scheme.QUANT, lossless=False, quant=params)
+
+
+def load_level_table(data: dict[str, Any]) -> tuple[Level, ...]:
+    """Validated levels of a parsed level table, best quality first (the first is lossless)."""
+    if not isinstance(data, dict):
+        raise LevelTableError("a level table is a JSON object")
+    if data.get("format") != TABLE_FORMAT:
+        raise LevelTableError(f"level table format must be {TABLE_FORMAT!r}, got {data.get('format')!r}")
+    rms = None
+    if data.get("key_channel_rms") is not None:
+        try:
+            rms = np.array(data["key_channel_rms"], dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise LevelTableError(f"key_channel_rms is not a numeric array: {exc}") from None
+        if rms.ndim != 3 or rms.size == 0 or not np.isfinite(rms).all() or (rms <= 0).any():
+            raise LevelTableError("key_channel_rms must be a (layers, kv_heads, head_dim) array of positive numbers")
+        rms.setflags(write=False)
+    entries = data.get("levels")
+    if not isinstance(entries, list) or not entries:
+        raise LevelTableError("levels must be a non-empty list")
+    levels = tuple(_level(e, rms, i) for i, e in enumerate(entries))
+    if not levels[0].lossless:
+        raise LevelTableError("the first level must be lossless (levels are ordered best quality first)")
+    names = [lv.name for lv in levels]
+    if len(set(names)) != len(names):
+        raise LevelTableError(f"level names repeat: {names}")
+    return levels
+
+
+def default_level_table() -> dict[str, Any]:
+    return json.loads(resources.files(__name__).joinpath(DEFAULT_TABLE_FILE).read_text(encoding="utf-8"))
+
+
+DEFAULT_LEVELS: tuple[Level, ...] = load_level_table(default_level_table())
+
+
+def level_by_name(name: str, levels: tuple[Level, ...] = DEFAULT_LEVELS) -> Level:
+    for level in levels:
+        if level.name == name:
+            return level
+    raise KeyError(name)

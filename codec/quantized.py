@@ -1,0 +1,196 @@
+"""The lossy scheme: per-channel uniform quantization + rANS under a compact parametric model.
+
+Why this shape (measured on SmolLM2-135M, see docs/codec.md):
+- with entropy coding, a uniform scalar quantizer is near-optimal and the bits
+  follow from the step size alone, so a level is just a rule for step sizes;
+- a key error moves attention logits by ``q . dk``, so a key channel's step is
+  set from the calibrated RMS of the queries that read it (``key_channel_rms``)
+  rather than from the keys' own spread;
+- a value error reaches the output in proportion to the attention it gets, and
+  the first token of a context (the attention sink) gets most of it: the first
+  ``exact_tokens`` of a chunk are stored as fp16.
+
+The decoder needs nothing from the level: steps, centres and table indices are
+in the payload (layout: codec/BITSTREAM.md).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from codec import rans
+from codec.entropy_model import FAMILIES, bank
+from codec.errors import CodecError
+
+STEP_CODES = 256
+STEP_TABLE = (2.0 ** ((np.arange(STEP_CODES, dtype=np.float64) - 128.0) / 8.0)).astype(np.float32)
+# Steps are chosen so that |q| stays below this, which keeps every residual within int16.
+_MAX_LEVEL = 15000
+BANK_ID = 1
+_PREFIX = struct.Struct("<BBH")  # groups, bank id, exact tokens
+# A forged header must not make the decoder allocate without bound: a chunk is
+# a few million values, and a 16-bit word can hold at most this many symbols.
+MAX_VALUES = 1 << 27
+
+
+@dataclass(frozen=True)
+class QuantParams:
+    """How a level chooses its steps; the encoder's business only, never stored."""
+
+    key_step: tuple[float, ...]  # per layer (or one for all): logit-error scale, or x std if no rms
+    value_step: tuple[float, ...]  # per layer (or one): fraction of the head's RMS in the chunk
+    key_channel_rms: np.ndarray | None = None  # (layers, kv_heads, head_dim), calibrated per model
+    exact_tokens: int = 1
+    groups: int = 2  # streams per (layer, k/v, head)
+
+    def __hash__(self) -> int:  # ndarray fields: hash by identity, levels are compared by name
+        return id(self)
+
+
+def _per_layer(values: tuple[float, ...], layers: int) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 1:
+        return np.full(layers, arr.item())
+    if arr.size != layers:
+        raise ValueError(f"level has {arr.size} per-layer steps but the chunk has {layers} layers")
+    return arr
+
+
+def _steps(x: np.ndarray, p: QuantParams) -> np.ndarray:
+    """Step size per (layer, k/v, head, channel), before rounding to a step code."""
+    layers, _, heads, _, dim = x.shape
+    keys, vals = x[:, 0], x[:, 1]
+    ks = _per_layer(p.key_step, layers)[:, None, None]
+    if p.key_channel_rms is not None:
+        rms = np.asarray(p.key_channel_rms, dtype=np.float64)
+        if rms.shape != (layers, heads, dim):
+            raise ValueError(f"key_channel_rms has shape {rms.shape}, chunk needs {(layers, heads, dim)}")
+        k_step = ks / np.maximum(rms, 1e-6)
+    else:
+        k_step = ks * keys.std(axis=2, dtype=np.float64)
+    vs = _per_layer(p.value_step, layers)[:, None, None]
+    head_rms = np.sqrt(np.mean(np.square(vals, dtype=np.float64), axis=(2, 3)))[:, :, None]
+    v_step = np.broadcast_to(vs * head_rms, (layers, heads, dim))
+    return np.stack([k_step, v_step], axis=1)
+
+
+def _step_codes(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    peak = np.abs(x).max(axis=3) if x.shape[3] else np.zeros(step.shape)
+    with np.errstate(divide="ignore"):
+        wanted = np.round(8.0 * np.log2(np.maximum(step, 1e-30))) + 128
+        floor = np.ceil(8.0 * np.log2(np.maximum(peak / _MAX_LEVEL, 1e-30))) + 128
+    return np.clip(np.maximum(wanted, floor), 0, STEP_CODES - 1).astype(np.uint8)
+
+
+def encode(kv: torch.Tensor, p: QuantParams) -> bytes:
+    layers, _, heads, tokens, dim = kv.shape
+    if dim % p.groups:
+        raise ValueError(f"head_dim {dim} is not divisible into {p.groups} stream groups")
+    x = kv.detach().to(device="cpu", dtype=torch.float32).numpy()
+    if not np.isfinite(x).all():
+        raise ValueError("KV chunk has non-finite values")
+    n_exact = min(p.exact_tokens, tokens)
+    exact, x = x[:, :, :, :n_exact], x[:, :, :, n_exact:]
+    coded = tokens - n_exact
+    codes = _step_codes(x, _steps(x, p) if coded else np.ones((layers, 2, heads, dim)))
+    step = STEP_TABLE[codes]  # (L, 2, H, D) float32
+    q = np.rint(x / step[:, :, :, None, :]).astype(np.int32)
+    center = np.clip(np.rint(q.mean(axis=3)) if coded else 0, -32768, 32767).astype(np.int16)
+    r = q - center[:, :, :, None, :]
+
+    channels = layers * 2 * heads * dim
+    per_channel = r.transpose(0, 1, 2, 4, 3).reshape(channels, coded)
+    inside = np.abs(per_channel) <= rans.BIAS
+    col = np.where(inside, per_channel + rans.BIAS, rans.ALPHABET)
+    hist = np.bincount((np.arange(channels)[:, None] * (rans.ALPHABET + 1) + col).ravel(),
+                       minlength=channels * (rans.ALPHABET + 1)).reshape(channels, rans.ALPHABET + 1)
+    b = bank()
+    family = np.argmin(hist @ b.cost.T, axis=1).astype(np.uint8)
+    sym = np.where(inside, col, rans.ESCAPE)
+    sym = np.where(b.freq[family[:, None], np.minimum(sym, rans.ESCAPE)] == 0, rans.ESCAPE, sym).astype(np.uint8)
+
+    cps = dim // p.groups
+    n_streams = channels // cps
+    # (channels, tokens) -> (streams, tokens, channels in stream): a stream interleaves its channels per token.
+    sym_s = np.ascontiguousarray(sym.reshape(n_streams, cps, coded).transpose(0, 2, 1))
+    esc_s = np.ascontiguousarray(per_channel.reshape(n_streams, cps, coded).transpose(0, 2, 1).astype(np.int16))
+    out = np.empty((n_streams, 3 * coded * cps + 2), dtype=np.uint16)
+    lengths = np.empty(n_streams, dtype=np.int64)
+    rans.encode_streams(sym_s, esc_s, family, b.cum, b.freq, coded, cps, out, lengths)
+
+    parts = [
+        _PREFIX.pack(p.groups, BANK_ID, n_exact),
+        exact.astype("<f2").tobytes(),
+        codes.tobytes(),
+        family.tobytes(),
+        center.astype("<i2").tobytes(),
+        lengths.astype("<u4").tobytes(),
+    ]
+    parts.extend(out[s, : lengths[s]].astype("<u2").tobytes() for s in range(n_streams))
+    return b"".join(parts)
+
+
+class _Reader:
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.pos + n > len(self.data):
+            raise CodecError(f"lossy payload truncated in {what}")
+        view = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return view
+
+    def array(self, dtype: str, count: int, what: str) -> np.ndarray:
+        size = np.dtype(dtype).itemsize
+        return np.frombuffer(self.take(size * count, what), dtype=dtype)
+
+
+def decode(payload: bytes | memoryview, shape: tuple[int, int, int, int, int]) -> torch.Tensor:
+    layers, _, heads, tokens, dim = shape
+    rd = _Reader(memoryview(payload))
+    groups, bank_id, n_exact = _PREFIX.unpack(rd.take(_PREFIX.size, "prefix"))
+    if bank_id != BANK_ID:
+        raise CodecError(f"unknown probability model bank {bank_id}")
+    if groups == 0 or dim % groups:
+        raise CodecError(f"{groups} stream groups do not divide head_dim {dim}")
+    if n_exact > tokens:
+        raise CodecError("more exact tokens than tokens")
+    coded = tokens - n_exact
+    channels = layers * 2 * heads * dim
+    cps = dim // groups
+    n_streams = channels // cps
+    exact = rd.array("<f2", layers * 2 * heads * n_exact * dim, "exact tokens")
+    codes = rd.array("u1", channels, "step codes")
+    family = rd.array("u1", channels, "table indices")
+    center = rd.array("<i2", channels, "centres")
+    lengths = rd.array("<u4", n_streams, "stream table").astype(np.int64)
+    if family.size and int(family.max()) >= FAMILIES:
+        raise CodecError("table index out of range")
+    total = int(lengths.sum())
+    body = rd.take(2 * total, "streams")
+    if rd.pos != len(rd.data):
+        raise CodecError("lossy payload has trailing bytes")
+    if layers * 2 * heads * tokens * dim > MAX_VALUES:
+        raise CodecError(f"chunk of {layers * 2 * heads * tokens * dim} values is over the decoder's limit")
+    if coded * cps > (int(lengths.min()) - 1) * 16 / bank().min_bits + 1:
+        raise CodecError("a stream is too short for the symbols the header promises")
+    words = np.frombuffer(body, dtype="<u2")
+    offsets = np.zeros(n_streams + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+
+    out = np.empty((layers * 2 * heads, tokens, dim), dtype=np.float32)
+    out[:, :n_exact] = exact.reshape(layers * 2 * heads, n_exact, dim)
+    status = np.zeros(n_streams, dtype=np.int32)
+    b = bank()
+    rans.decode_streams(words, offsets, family.astype(np.int32), center.astype(np.int32), STEP_TABLE[codes],
+                        b.cum, b.freq, b.slot_symbol, coded, cps, n_exact, out, status)
+    bad = np.flatnonzero(status)
+    if bad.size:
+        raise CodecError(f"{bad.size} corrupt entropy-coded streams (first: stream {bad[0]}, error {status[bad[0]]})")
+    return torch.from_numpy(out.reshape(shape))

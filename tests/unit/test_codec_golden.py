@@ -1,0 +1,50 @@
+"""Committed chunks decode to their committed tensors, bit for bit; the model bank is pinned."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from codec import decode_chunk, encode_chunk
+from codec.container import read_header
+from codec.entropy_model import BANK_DIGEST, bank
+
+GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
+_spec = importlib.util.spec_from_file_location("golden_generate", GOLDEN / "generate.py")
+assert _spec and _spec.loader
+generate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(generate)
+
+NAMES = sorted(generate.golden_levels())
+_NUMPY = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<u2"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_chunk_decodes_to_its_tensor(name: str) -> None:
+    data = (GOLDEN / f"{name}.bin").read_bytes()
+    out = decode_chunk(data)
+    assert tuple(out.shape) == generate.SHAPE
+    expected = np.frombuffer((GOLDEN / f"{name}.out").read_bytes(), dtype=_NUMPY[out.dtype])
+    got = out.contiguous().view(torch.int16) if out.dtype == torch.bfloat16 else out.contiguous()
+    assert np.array_equal(got.numpy().reshape(-1).view(expected.dtype), expected)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_chunk_is_what_this_encoder_writes(name: str) -> None:
+    """Encoder determinism: a change here means the format changed (bump FORMAT_VERSION, regenerate)."""
+    level = generate.golden_levels()[name]
+    data = encode_chunk(generate.golden_input(name), level)
+    assert data == (GOLDEN / f"{name}.bin").read_bytes()
+
+
+def test_golden_headers() -> None:
+    header = read_header((GOLDEN / "quant_rms_g4.bin").read_bytes())
+    assert header.shape == generate.SHAPE and header.scheme == 2
+
+
+def test_probability_bank_is_pinned() -> None:
+    assert bank().digest() == BANK_DIGEST
