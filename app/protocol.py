@@ -54,6 +54,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    ignore_eos: bool = Field(False, description="extension (as in vLLM): generate max_tokens tokens")
 
     @field_validator("stop")
     @classmethod

@@ -23,7 +23,12 @@ def _job(gateway: Gateway, request: ChatCompletionRequest) -> GenerationJob:
     return GenerationJob(
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
-        sampling=SamplingParams(temperature=request.temperature, top_p=request.top_p, seed=request.seed),
+        sampling=SamplingParams(
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            ignore_eos=request.ignore_eos,
+        ),
         stops=request.stop_list(),
         levels=levels,
     )
