@@ -125,8 +125,9 @@ class S3Store(ObjectStore):
             region_name=region,
             s3={"addressing_style": "path"},
             # "standard" retries connection errors, read timeouts, throttling and 5xx with
-            # jittered exponential backoff; max_attempts counts the first try.
-            retries={"max_attempts": max_attempts, "mode": "standard"},
+            # jittered exponential backoff. total_max_attempts counts the first try (botocore's
+            # "max_attempts" would not).
+            retries={"total_max_attempts": max_attempts, "mode": "standard"},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             max_pool_connections=max_pool_connections,

@@ -171,10 +171,14 @@ class SeaweedServer:
             if self._proc is None or self._proc.poll() is not None:
                 raise RuntimeError(f"weed mini exited early; see {self._log_path}:\n{self._log_tail()}")
             try:
-                client.list_buckets()
-                # The filer behind S3 can lag the S3 listener: a bucket round trip proves both.
+                # The filer and volume server lag the S3 listener (after a restart, reads of
+                # old objects fail until the volume server has reported to the master): a
+                # write and read of a real object proves the whole path.
                 probe = "ready-" + secrets.token_hex(4)
                 client.create_bucket(Bucket=probe)
+                client.put_object(Bucket=probe, Key="probe", Body=b"ready")
+                client.get_object(Bucket=probe, Key="probe")["Body"].read()
+                client.delete_object(Bucket=probe, Key="probe")
                 client.delete_bucket(Bucket=probe)
                 return
             except (BotoCoreError, ClientError) as exc:
@@ -188,14 +192,20 @@ class SeaweedServer:
         except OSError:
             return ""
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 6.0) -> None:
         """Stop the process (SIGTERM, then SIGKILL) and remove the sockets it leaves in /tmp."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
+            # A SIGTERM that lands while weed is still wiring up its admin/worker is
+            # sometimes lost, so ask again before resorting to SIGKILL.
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None and time.monotonic() < deadline:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(min(3.0, max(0.1, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    pass
+            if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self._remove_sockets()
