@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The project's test command: install, then the whole suite (unit + integration).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider "$@"
