@@ -21,6 +21,7 @@ from scheduler.contexts import ContextStore
 from scheduler.geometry import KVGeometry
 from scheduler.loader import PrefixLoader
 from scheduler.prefix import make_fingerprint, weights_digest
+from scheduler.write_back import WriteBack
 from storage import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
@@ -76,13 +77,11 @@ class Gateway:
             raise InvalidRequest(f"unknown kv_quality {quality!r}; use one of: {names}", param="kv_quality") from None
 
     def encode_levels(self, names: list[str] | None) -> list[Level]:
-        names = names or self.settings.encode_levels
-        if not names:
-            return list(self.levels)
         try:
-            return [level_by_name(n, self.levels) for n in dict.fromkeys(names)]
-        except KeyError as exc:
-            raise InvalidRequest(f"unknown level {exc.args[0]!r}", param="levels") from None
+            return _pick_levels(self.levels, list(dict.fromkeys(names or self.settings.encode_levels or [])))
+        except ValueError:
+            known = ", ".join(lv.name for lv in self.levels)
+            raise InvalidRequest(f"unknown level in {names}; known: {known}", param="levels") from None
 
     def token_budget(self, prompt_len: int, requested: int | None, default: int | None = None) -> int:
         """max_tokens after the context-window checks."""
@@ -213,16 +212,20 @@ def build_gateway(settings: Settings) -> Gateway:
         vocabulary=str(vocab),
         chunk_size=settings.chunk_size,
     )
-    store = open_store(settings.store_url)
-    if settings.store_cache_bytes:
-        from storage.tiered import LRUCacheStore
-
-        store = LRUCacheStore(store, settings.store_cache_bytes)
+    store = open_store(settings.store_url, cache_bytes=settings.store_cache_bytes)
     io_pool = ThreadPoolExecutor(max_workers=settings.store_threads, thread_name_prefix="kv-io")
     contexts = ContextStore(store, fingerprint, loaded.name, settings.chunk_size, io_pool)
     geometry = KVGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim)
     loader = PrefixLoader(store, geometry, settings.chunk_size, io_pool)
     metrics = Metrics()
+    levels = load_levels(settings)
+    write_back = None
+    if settings.write_back:
+        write_back = WriteBack(
+            contexts,
+            _pick_levels(levels, settings.write_back_levels),
+            on_done=lambda outcome: metrics.write_backs.labels(outcome).inc(),
+        )
     log.info(
         "serving %s on %s (%s), KV store %s, fingerprint %s",
         loaded.name,
@@ -236,9 +239,18 @@ def build_gateway(settings: Settings) -> Gateway:
         runner=runner,
         store=store,
         contexts=contexts,
-        pipeline=Pipeline(runner, contexts, loader),
+        pipeline=Pipeline(runner, contexts, loader, write_back),
         worker=ModelWorker(settings.max_queue, metrics),
         metrics=metrics,
-        levels=load_levels(settings),
+        levels=levels,
         io_pool=io_pool,
     )
+
+
+def _pick_levels(levels: tuple[Level, ...], names: list[str] | None) -> list[Level]:
+    if not names:
+        return list(levels)
+    try:
+        return [level_by_name(n, levels) for n in names]
+    except KeyError as exc:
+        raise ValueError(f"unknown level {exc.args[0]!r} in settings") from None

@@ -47,6 +47,9 @@ class Metrics:
         self.kv_store_faults = Counter(
             "cachegen:kv_store_faults", "Stored KV that could not be used (recomputed).", ["kind"], registry=r
         )
+        self.write_backs = Counter(
+            "cachegen:kv_write_backs", "Background stores of a request's uncached chunks.", ["outcome"], registry=r
+        )
         self.contexts_encoded = Counter("cachegen:contexts_encoded", "Contexts pre-encoded.", registry=r)
         self.running = Gauge("cachegen:num_requests_running", "Requests on the model.", registry=r)
         self.waiting = Gauge("cachegen:num_requests_waiting", "Requests queued for the model.", registry=r)

@@ -23,6 +23,7 @@ from engine.detokenize import IncrementalText
 from engine.sampling import SamplingParams
 from scheduler.contexts import ContextStore
 from scheduler.loader import PrefixLoad, PrefixLoader
+from scheduler.write_back import WriteBack
 
 
 @dataclass
@@ -70,25 +71,22 @@ class Pipeline:
     runner: ModelRunner
     contexts: ContextStore
     loader: PrefixLoader
-
-    def reusable_keys(self, prompt_ids: list[int]) -> list[str]:
-        # the last prompt token is always recomputed: its logits give the first output token
-        return self.contexts.keys(prompt_ids[:-1])
+    write_back: WriteBack | None = None
 
     def run(self, job: GenerationJob, emit: Callable[[Any], None], cancel: threading.Event) -> None:
         tokenizer = self.runner.tokenizer
         t0 = time.perf_counter()
-        load = (
-            self.loader.load(self.reusable_keys(job.prompt_ids), job.levels)
-            if job.levels
-            else PrefixLoad(kv=None)
-        )
+        # the last prompt token is always recomputed: its logits give the first output token
+        keys = self.contexts.keys(job.prompt_ids[:-1]) if job.levels else []
+        load = self.loader.load(keys, job.levels) if keys else PrefixLoad(kv=None)
         t1 = time.perf_counter()
         cached = load.tokens
         state = self.runner.prefill(
             job.prompt_ids[cached:], load.kv, want_prompt_logits=job.prompt_logprobs is not None
         )
         t2 = time.perf_counter()
+        if self.write_back is not None and len(keys) > len(load.chunks):
+            self.write_back.submit(keys, state.cache, first=len(load.chunks))
         prompt_lp = None
         if job.prompt_logprobs is not None:
             prompt_lp = self._prompt_logprobs(job, cached, state.prompt_logits)

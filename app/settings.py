@@ -36,11 +36,15 @@ class Settings(BaseSettings):
 
     # KV store
     store: str = Field("", description="file:///dir, memory:// or s3://bucket/prefix; default: a dir in cache_dir")
-    store_cache_bytes: int = Field(0, ge=0, description="in-memory LRU in front of the store (0: off)")
+    store_cache_bytes: int = Field(
+        512 * 2**20, ge=0, description="in-memory LRU in front of the store, bytes (0: off)"
+    )
     store_threads: int = Field(8, ge=1, le=256, description="parallel chunk fetches and uploads")
     chunk_size: int = Field(256, ge=16, le=65536, description="tokens per stored KV chunk")
     levels_file: Path | None = Field(None, description="JSON level table (see `python -m app calibrate`)")
     encode_levels: list[str] | None = Field(None, description="levels pre-encode writes; default: all")
+    write_back: bool = Field(False, description="store the KV of uncached prompt chunks after a request")
+    write_back_levels: list[str] | None = Field(None, description="levels write-back stores; default: all")
 
     # serving
     max_queue: int = Field(8, ge=1, description="requests running or waiting before 429")

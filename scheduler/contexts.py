@@ -44,6 +44,26 @@ class ContextStore:
     def keys(self, token_ids: Sequence[int]) -> list[str]:
         return chunk_keys(self.fingerprint, token_ids, self.chunk_size)
 
+    def save_chunks(
+        self, keys: Sequence[str], kv: torch.Tensor, levels: Sequence[Level], first: int = 0
+    ) -> dict[str, int]:
+        """Encode and store chunks ``first..len(keys)`` of ``kv`` (which starts at chunk 0).
+
+        Returns the bytes written per level. No manifest: the chunks serve as a
+        prefix cache, which is all the write-back path needs.
+        """
+        level_bytes = {level.name: 0 for level in levels}
+        uploads = []
+        for index in range(first, len(keys)):
+            chunk = kv[:, :, :, index * self.chunk_size : (index + 1) * self.chunk_size]
+            for level in levels:
+                data = encode_chunk(chunk, level)
+                level_bytes[level.name] += len(data)
+                uploads.append(self.pool.submit(self.store.put, chunk_object_key(keys[index], level.name), data))
+        for upload in uploads:
+            upload.result()  # re-raises the first StorageError
+        return level_bytes
+
     def save(
         self,
         token_ids: Sequence[int],
@@ -54,16 +74,7 @@ class ContextStore:
         """Encode and store each full chunk of ``kv`` at each level; the manifest goes last."""
         started = time.perf_counter()
         keys = self.keys(token_ids)
-        level_bytes = {level.name: 0 for level in levels}
-        uploads = []
-        for index, key in enumerate(keys):
-            chunk = kv[:, :, :, index * self.chunk_size : (index + 1) * self.chunk_size]
-            for level in levels:
-                data = encode_chunk(chunk, level)
-                level_bytes[level.name] += len(data)
-                uploads.append(self.pool.submit(self.store.put, chunk_object_key(key, level.name), data))
-        for upload in uploads:
-            upload.result()  # re-raises the first StorageError
+        level_bytes = self.save_chunks(keys, kv, levels)
         manifest = Manifest(
             id=self.context_id(token_ids),
             model=self.model_name,

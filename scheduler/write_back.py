@@ -1,0 +1,72 @@
+"""Write-back on a miss: store the chunks a request had to prefill, in the background.
+
+The request hands over references to its cache's per-layer tensors right
+after prefill. Decoding never writes into those tensors (each step builds new
+ones), so the copy and the encoding happen on a background thread, off the
+request's path. At most ``max_pending`` jobs queue; more are dropped, since a
+write-back that falls behind is worth less than a prompt answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from codec import Level
+from scheduler.contexts import ContextStore
+from storage import StorageError
+
+log = logging.getLogger(__name__)
+
+
+class WriteBack:
+    def __init__(
+        self,
+        contexts: ContextStore,
+        levels: Sequence[Level],
+        on_done: Callable[[str], None] = lambda outcome: None,
+        max_pending: int = 2,
+    ) -> None:
+        self.contexts = contexts
+        self.levels = list(levels)
+        self.on_done = on_done  # "stored", "failed" or "dropped", for metrics
+        self.max_pending = max_pending
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="write-back")
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def submit(self, keys: Sequence[str], cache, first: int) -> None:  # noqa: ANN001 - a transformers Cache
+        with self._lock:
+            if self._pending >= self.max_pending:
+                self.on_done("dropped")
+                return
+            self._pending += 1
+        tokens = len(keys) * self.contexts.chunk_size
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        self._executor.submit(self._store, list(keys), layers, tokens, first)
+
+    def _store(self, keys: list[str], layers: list, tokens: int, first: int) -> None:
+        try:
+            kv = torch.stack([torch.stack((k[0, :, :tokens], v[0, :, :tokens])) for k, v in layers]).cpu()
+            self.contexts.save_chunks(keys, kv, self.levels, first=first)
+            self.on_done("stored")
+        except StorageError as exc:
+            log.warning("write-back of %d chunks failed: %s", len(keys) - first, exc)
+            self.on_done("failed")
+        except Exception:  # a background thread has nobody to raise to
+            log.exception("write-back crashed")
+            self.on_done("failed")
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def drain(self) -> None:
+        """Wait for queued jobs (shutdown, tests)."""
+        self._executor.submit(lambda: None).result()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
