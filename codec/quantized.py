@@ -25,6 +25,7 @@ import torch
 from codec import rans
 from codec.entropy_model import FAMILIES, bank
 from codec.errors import CodecError
+from codec.quantize_kernel import quantize_rows
 
 STEP_CODES = 256
 STEP_TABLE = (2.0 ** ((np.arange(STEP_CODES, dtype=np.float64) - 128.0) / 8.0)).astype(np.float32)
@@ -60,7 +61,7 @@ def _per_layer(values: tuple[float, ...], layers: int) -> np.ndarray:
     return arr
 
 
-def _steps(x: np.ndarray, p: QuantParams) -> np.ndarray:
+def channel_steps(x: np.ndarray, p: QuantParams) -> np.ndarray:
     """Step size per (layer, k/v, head, channel), before rounding to a step code."""
     layers, _, heads, _, dim = x.shape
     keys, vals = x[:, 0], x[:, 1]
@@ -78,7 +79,7 @@ def _steps(x: np.ndarray, p: QuantParams) -> np.ndarray:
     return np.stack([k_step, v_step], axis=1)
 
 
-def _step_codes(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+def step_codes(x: np.ndarray, step: np.ndarray) -> np.ndarray:
     peak = np.abs(x).max(axis=3) if x.shape[3] else np.zeros(step.shape)
     with np.errstate(divide="ignore"):
         wanted = np.round(8.0 * np.log2(np.maximum(step, 1e-30))) + 128
@@ -96,31 +97,22 @@ def encode(kv: torch.Tensor, p: QuantParams) -> bytes:
     n_exact = min(p.exact_tokens, tokens)
     exact, x = x[:, :, :, :n_exact], x[:, :, :, n_exact:]
     coded = tokens - n_exact
-    codes = _step_codes(x, _steps(x, p) if coded else np.ones((layers, 2, heads, dim)))
+    codes = step_codes(x, channel_steps(x, p) if coded else np.ones((layers, 2, heads, dim)))
     step = STEP_TABLE[codes]  # (L, 2, H, D) float32
-    q = np.rint(x / step[:, :, :, None, :]).astype(np.int32)
-    center = np.clip(np.rint(q.mean(axis=3)) if coded else 0, -32768, 32767).astype(np.int16)
-    r = q - center[:, :, :, None, :]
-
     channels = layers * 2 * heads * dim
-    per_channel = r.transpose(0, 1, 2, 4, 3).reshape(channels, coded)
-    inside = np.abs(per_channel) <= rans.BIAS
-    col = np.where(inside, per_channel + rans.BIAS, rans.ALPHABET)
-    hist = np.bincount((np.arange(channels)[:, None] * (rans.ALPHABET + 1) + col).ravel(),
-                       minlength=channels * (rans.ALPHABET + 1)).reshape(channels, rans.ALPHABET + 1)
+    rows = np.ascontiguousarray(x.reshape(layers * 2 * heads, coded, dim))
+    symbols = np.empty((channels, coded), dtype=np.uint8)
+    escapes = np.empty((channels, coded), dtype=np.int16)
+    family = np.empty(channels, dtype=np.uint8)
+    center = np.empty(channels, dtype=np.int16)
     b = bank()
-    family = np.argmin(hist @ b.cost.T, axis=1).astype(np.uint8)
-    sym = np.where(inside, col, rans.ESCAPE)
-    sym = np.where(b.freq[family[:, None], np.minimum(sym, rans.ESCAPE)] == 0, rans.ESCAPE, sym).astype(np.uint8)
+    quantize_rows(rows, step.reshape(-1, dim), b.cost, b.freq, symbols, escapes, family, center)
 
     cps = dim // p.groups
     n_streams = channels // cps
-    # (channels, tokens) -> (streams, tokens, channels in stream): a stream interleaves its channels per token.
-    sym_s = np.ascontiguousarray(sym.reshape(n_streams, cps, coded).transpose(0, 2, 1))
-    esc_s = np.ascontiguousarray(per_channel.reshape(n_streams, cps, coded).transpose(0, 2, 1).astype(np.int16))
     out = np.empty((n_streams, 3 * coded * cps + 2), dtype=np.uint16)
     lengths = np.empty(n_streams, dtype=np.int64)
-    rans.encode_streams(sym_s, esc_s, family, b.cum, b.freq, coded, cps, out, lengths)
+    rans.encode_streams(symbols, escapes, family, b.cum, b.freq, coded, cps, out, lengths)
 
     parts = [
         _PREFIX.pack(p.groups, BANK_ID, n_exact),

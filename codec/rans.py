@@ -49,13 +49,13 @@ def _put(x, start, freq, buf, pos):
 
 @numba.njit(cache=True, parallel=True)
 def encode_streams(symbols, escapes, channel_family, cum, freq, tokens, channels_per_stream, out, out_len):
-    """Encode every stream; stream ``s`` codes ``symbols[s]`` (tokens x channels_per_stream).
+    """Encode every stream; stream ``s`` codes channels ``s * channels_per_stream + c``.
 
-    ``symbols[s, t, c]`` is a symbol of channel ``s * channels_per_stream + c``;
-    ``escapes[s, t, c]`` is the int16 residual used when the symbol is ESCAPE.
+    ``symbols[ch, t]`` is the symbol of channel ``ch`` at token ``t``;
+    ``escapes[ch, t]`` is the int16 residual used when the symbol is ESCAPE.
     Words of stream ``s`` are written to ``out[s, :out_len[s]]`` in decode order.
     """
-    n_streams = symbols.shape[0]
+    n_streams = symbols.shape[0] // channels_per_stream
     cap = out.shape[1]
     for s in numba.prange(n_streams):
         buf = out[s]
@@ -64,9 +64,9 @@ def encode_streams(symbols, escapes, channel_family, cum, freq, tokens, channels
         base = s * channels_per_stream
         for t in range(tokens - 1, -1, -1):
             for c in range(channels_per_stream - 1, -1, -1):
-                sym = np.int64(symbols[s, t, c])
+                sym = np.int64(symbols[base + c, t])
                 if sym == ESCAPE:
-                    raw = np.int64(escapes[s, t, c]) & 0xFFFF
+                    raw = np.int64(escapes[base + c, t]) & 0xFFFF
                     lo = raw & 0xFF
                     hi = raw >> 8
                     x, pos = _put(x, lo * _BYTE_FREQ, _BYTE_FREQ, buf, pos)

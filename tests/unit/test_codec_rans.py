@@ -22,9 +22,14 @@ def _streams(seed: int, n_streams: int = 3, tokens: int = 40, cps: int = 4):
     return b, family, sym.astype(np.uint8), r.astype(np.int16), tokens, cps
 
 
+def _by_channel(a: np.ndarray) -> np.ndarray:
+    """(streams, tokens, channels in stream) -> (channels, tokens), the encoder's layout."""
+    return np.ascontiguousarray(a.transpose(0, 2, 1).reshape(-1, a.shape[1]))
+
+
 def _encode(fn, b, family, sym, esc, tokens, cps):
-    out = np.zeros((sym.shape[0], 3 * tokens * cps + 2), dtype=np.uint16)
-    lengths = np.zeros(sym.shape[0], dtype=np.int64)
+    out = np.zeros((sym.shape[0] // cps, 3 * tokens * cps + 2), dtype=np.uint16)
+    lengths = np.zeros(sym.shape[0] // cps, dtype=np.int64)
     fn(sym, esc, family, b.cum, b.freq, tokens, cps, out, lengths)
     return out, lengths
 
@@ -44,8 +49,8 @@ def _decode(fn, b, family, out, lengths, tokens, cps, n_streams, centers):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_compiled_and_python_kernels_agree_bit_for_bit(seed: int) -> None:
     b, family, sym, esc, tokens, cps = _streams(seed)
-    fast, fast_len = _encode(rans.encode_streams, b, family, sym, esc, tokens, cps)
-    slow, slow_len = _encode(rans.encode_streams.py_func, b, family, sym, esc, tokens, cps)
+    fast, fast_len = _encode(rans.encode_streams, b, family, _by_channel(sym), _by_channel(esc), tokens, cps)
+    slow, slow_len = _encode(rans.encode_streams.py_func, b, family, _by_channel(sym), _by_channel(esc), tokens, cps)
     assert np.array_equal(fast_len, slow_len)
     for s in range(sym.shape[0]):
         assert np.array_equal(fast[s, : fast_len[s]], slow[s, : slow_len[s]])
@@ -68,6 +73,6 @@ def test_coded_size_is_within_3_percent_of_the_model_entropy() -> None:
     fam = np.broadcast_to(family.reshape(n_streams, 1, cps), sym.shape)
     sym = np.where(b.freq[fam, np.minimum(sym, rans.ESCAPE)] == 0, rans.ESCAPE, sym).astype(np.uint8)
     ideal = -np.log2(b.freq[fam, sym] / (1 << rans.PROB_BITS)).sum() + 16 * (sym == rans.ESCAPE).sum()
-    _, lengths = _encode(rans.encode_streams, b, family, sym, r.astype(np.int16), tokens, cps)
+    _, lengths = _encode(rans.encode_streams, b, family, _by_channel(sym), _by_channel(r.astype(np.int16)), tokens, cps)
     coded = 16 * lengths.sum()
     assert coded <= 1.03 * ideal

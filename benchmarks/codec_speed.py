@@ -1,0 +1,143 @@
+"""Encode/decode throughput of the codec on real KV, and coder efficiency.
+
+    python benchmarks/codec_speed.py --out benchmarks/results/codec_speed.json
+
+Throughput is in MB/s of fp16-equivalent KV (values x 2 bytes), single
+chunks of 256 tokens, median of ``--repeat`` runs, with zstd on the fp16
+bytes (level 1 and 3) measured in the same process as the yardstick: the
+machine is shared, so ratios are steadier than absolute figures.
+
+Coder efficiency compares the coded streams with the ideal size of the same
+symbols under the stored model (sum of -log2 p, escapes' raw 16 bits
+included), and with the order-0 empirical entropy per channel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from codec import DEFAULT_LEVELS, decode_chunk, encode_chunk  # noqa: E402
+from codec import quantized, rans  # noqa: E402
+from codec.container import unpack  # noqa: E402
+from codec.entropy_model import bank  # noqa: E402
+
+
+def real_kv(tokens: int) -> torch.Tensor:
+    from engine import ModelRunner, load_model
+
+    runner = ModelRunner(load_model())
+    text = (Path(sys.base_prefix) / "lib" / "python3.11" / "LICENSE.txt").read_text()
+    ids = runner.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+    return runner.compute_kv(ids)
+
+
+def timed(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def efficiency(data: bytes) -> dict[str, float]:
+    """Coded bits vs the ideal bits of the decoded symbols under the stored model and vs empirical entropy."""
+    header, payload = unpack(data)
+    layers, _, heads, tokens, dim = header.shape
+    rd = quantized._Reader(payload)
+    groups, _, n_exact = quantized._PREFIX.unpack(rd.take(quantized._PREFIX.size, "prefix"))
+    channels = layers * 2 * heads * dim
+    rd.take(2 * layers * 2 * heads * n_exact * dim, "exact")
+    codes = rd.array("u1", channels, "codes")
+    family = rd.array("u1", channels, "family").astype(np.int64)
+    center = rd.array("<i2", channels, "center").astype(np.int64)
+    lengths = rd.array("<u4", (channels // (dim // groups)), "lengths").astype(np.int64)
+    kv = decode_chunk(data).numpy()[:, :, :, n_exact:]
+    step = quantized.STEP_TABLE[codes.reshape(layers, 2, heads, dim)]
+    r = np.rint(kv / step[:, :, :, None, :]).astype(np.int64) - center.reshape(layers, 2, heads, 1, dim)
+    r = r.transpose(0, 1, 2, 4, 3).reshape(channels, -1)
+    b = bank()
+    inside = np.abs(r) <= rans.BIAS
+    sym = np.where(inside, r + rans.BIAS, rans.ESCAPE)
+    fam = np.broadcast_to(family[:, None], sym.shape)
+    sym = np.where(b.freq[fam, np.minimum(sym, rans.ESCAPE)] == 0, rans.ESCAPE, sym)
+    ideal = float(-np.log2(b.freq[fam, sym] / rans.PROB_SCALE).sum() + 16 * (sym == rans.ESCAPE).sum())
+    empirical = 0.0
+    for row in r:
+        _, counts = np.unique(row, return_counts=True)
+        p = counts / counts.sum()
+        empirical -= float((counts * np.log2(p)).sum())
+    coded = float(16 * lengths.sum())
+    meta = 8.0 * (len(data) - 2 * lengths.sum())
+    return {"coded_bits": coded, "model_bits": ideal, "empirical_entropy_bits": empirical,
+            "coded_over_model": coded / ideal, "model_over_empirical": ideal / empirical,
+            "metadata_bits_per_value": meta / (layers * 2 * heads * tokens * dim),
+            "stream_bits_per_value": coded / (layers * 2 * heads * tokens * dim)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/codec_speed.json"))
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per chunk")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--synthetic", action="store_true", help="random KV instead of the model's (no model load)")
+    args = parser.parse_args(argv)
+
+    if args.synthetic:
+        kv = torch.randn(30, 2, 3, args.tokens, 64)
+    else:
+        kv = real_kv(args.tokens)
+    fp16_bytes = kv.numel() * 2
+    mb = fp16_bytes / 1e6
+    raw16 = kv.half().numpy().tobytes()
+    results: dict[str, dict] = {}
+    for zlevel in (1, 3):
+        comp = zstandard.ZstdCompressor(level=zlevel)
+        blob = comp.compress(raw16)
+        dec = zstandard.ZstdDecompressor()
+        results[f"zstd-{zlevel} on fp16"] = {
+            "encode_mb_s": mb / timed(lambda: comp.compress(raw16), args.repeat),  # noqa: B023
+            "decode_mb_s": mb / timed(lambda: dec.decompress(blob), args.repeat),  # noqa: B023
+            "bits_per_value": 8 * len(blob) / kv.numel(),
+        }
+    for level in DEFAULT_LEVELS:
+        data = encode_chunk(kv, level)  # also compiles (numba cache) before timing
+        decode_chunk(data)
+        entry = {
+            "encode_mb_s": mb / timed(lambda: encode_chunk(kv, level), args.repeat),  # noqa: B023
+            "decode_mb_s": mb / timed(lambda: decode_chunk(data), args.repeat),  # noqa: B023
+            "bits_per_value": 8 * len(data) / kv.numel(),
+        }
+        if not level.lossless:
+            entry |= efficiency(data)
+        results[level.name] = entry
+    zstd_dec = results["zstd-1 on fp16"]["decode_mb_s"]
+    for entry in results.values():
+        entry["decode_vs_zstd1"] = entry["decode_mb_s"] / zstd_dec
+    out = {"tokens": args.tokens, "values": kv.numel(), "fp16_mb": mb, "threads": torch.get_num_threads(),
+           "numba_threads": __import__("numba").get_num_threads(), "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"chunk: {args.tokens} tokens, {mb:.2f} MB fp16-equivalent; MB/s of fp16-equivalent KV")
+    print(f"{'method':16s} {'bits/val':>8s} {'enc MB/s':>9s} {'dec MB/s':>9s} {'dec/zstd1':>9s} {'coded/model':>11s} "
+          f"{'model/H0':>8s}")
+    for name, e in results.items():
+        eff = f"{e['coded_over_model']:11.4f} {e['model_over_empirical']:8.4f}" if "coded_over_model" in e else ""
+        print(f"{name:16s} {e['bits_per_value']:8.3f} {e['encode_mb_s']:9.1f} {e['decode_mb_s']:9.1f} "
+              f"{e['decode_vs_zstd1']:9.2f} {eff}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
