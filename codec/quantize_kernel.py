@@ -9,6 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from codec.entropy_model import SPREADS_PER_SHAPE
 from codec.rans import ALPHABET, BIAS, ESCAPE
 
 _OUTSIDE = ALPHABET  # histogram bin of residuals beyond +-BIAS
@@ -37,19 +38,34 @@ def quantize_rows(x, step, cost, freq, symbols, escapes, family, center):
         for d in range(dim):
             c = np.rint(sums[d] / tokens) if tokens else 0.0
             cen[d] = max(-32768, min(32767, np.int64(c)))
+        lo = np.full(dim, ALPHABET, dtype=np.int64)
+        hi = np.zeros(dim, dtype=np.int64)
         for t in range(tokens):
             for d in range(dim):
                 r = q[t, d] - cen[d]
-                if -BIAS <= r <= BIAS:
-                    hist[d, r + BIAS] += 1
-                else:
-                    hist[d, _OUTSIDE] += 1
+                b = r + BIAS if -BIAS <= r <= BIAS else _OUTSIDE
+                hist[d, b] += 1
+                if b != _OUTSIDE:
+                    lo[d] = min(lo[d], b)
+                    hi[d] = max(hi[d], b)
         for d in range(dim):
+            # Tables are ordered by spread within each shape; only those near the
+            # residuals' own spread can win, so only those are costed.
+            m1 = 0.0
+            m2 = 0.0
+            for b in range(lo[d], hi[d] + 1):
+                m1 += hist[d, b] * (b - BIAS)
+                m2 += hist[d, b] * (b - BIAS) * (b - BIAS)
+            inside = tokens - hist[d, _OUTSIDE]
+            var = m2 / inside - (m1 / inside) ** 2 if inside > 0 else 1.0
+            near = int(np.rint(4.0 * (0.5 * np.log2(max(var, 1e-6)) + 2.5)))
             best = 0
             best_cost = np.inf
             for f in range(n_families):
-                total = 0.0
-                for b in range(ALPHABET + 1):
+                if abs(f % SPREADS_PER_SHAPE - near) > 3 and f % SPREADS_PER_SHAPE != SPREADS_PER_SHAPE - 1:
+                    continue
+                total = hist[d, _OUTSIDE] * cost[f, _OUTSIDE]
+                for b in range(lo[d], hi[d] + 1):  # only the residuals that occur
                     n = hist[d, b]
                     if n:
                         total += n * cost[f, b]

@@ -83,6 +83,54 @@ def encode_streams(symbols, escapes, channel_family, cum, freq, tokens, channels
         out_len[s] = n
 
 
+@numba.njit(cache=True, inline="always")
+def _get(x, words, pos, end):
+    """Renormalise after a decode step; pos == -1 marks an over-read."""
+    if x < STATE_LOW:
+        if pos >= end:
+            return x, -1
+        x = (x << 16) | np.int64(words[pos])
+        pos += 1
+    return x, pos
+
+
+@numba.njit(cache=True)
+def _decode_stream(words, pos, end, fams, centers, steps, cum, freq, slot_symbol, tokens, out, row, c0):
+    cps = fams.shape[0]
+    x = np.int64(words[pos]) | (np.int64(words[pos + 1]) << 16)
+    pos += 2
+    mask = PROB_SCALE - 1
+    for t in range(tokens):
+        dst = out[row, t]
+        for c in range(cps):
+            f = fams[c]
+            slot = x & mask
+            sym = np.int64(slot_symbol[f, slot])
+            x = np.int64(freq[f, sym]) * (x >> PROB_BITS) + slot - np.int64(cum[f, sym])
+            x, pos = _get(x, words, pos, end)
+            if pos < 0:
+                return ERR_OVERRUN
+            if sym == ESCAPE:
+                raw = 0
+                for _ in range(2):
+                    slot = x & mask
+                    byte = slot >> _BYTE_SHIFT
+                    x = _BYTE_FREQ * (x >> PROB_BITS) + slot - byte * _BYTE_FREQ
+                    x, pos = _get(x, words, pos, end)
+                    if pos < 0:
+                        return ERR_OVERRUN
+                    raw = (raw << 8) | byte
+                r = raw - 65536 if raw >= 32768 else raw
+            else:
+                r = sym - BIAS
+            dst[c0 + c] = np.float32(np.int32(centers[c] + r)) * steps[c]
+    if pos != end:
+        return ERR_LENGTH
+    if x != STATE_LOW:
+        return ERR_STATE
+    return OK
+
+
 @numba.njit(cache=True, parallel=True)
 def decode_streams(words, offsets, channel_family, channel_center, channel_step, cum, freq, slot_symbol,
                    tokens, channels_per_stream, token_start, out, status):
@@ -95,56 +143,14 @@ def decode_streams(words, offsets, channel_family, channel_center, channel_step,
     n_streams = offsets.shape[0] - 1
     head_dim = out.shape[2]
     groups = head_dim // channels_per_stream
+    coded = out[:, token_start:token_start + tokens]
     for s in numba.prange(n_streams):
-        pos = offsets[s]
-        end = offsets[s + 1]
-        if end - pos < 2:
+        if offsets[s + 1] - offsets[s] < 2:
             status[s] = ERR_LENGTH
             continue
-        x = np.int64(words[pos]) | (np.int64(words[pos + 1]) << 16)
-        pos += 2
-        row = s // groups
-        c0 = (s % groups) * channels_per_stream
         base = s * channels_per_stream
-        err = OK
-        for t in range(tokens):
-            for c in range(channels_per_stream):
-                ch = base + c
-                f = channel_family[ch]
-                slot = x & (PROB_SCALE - 1)
-                sym = np.int64(slot_symbol[f, slot])
-                x = np.int64(freq[f, sym]) * (x >> PROB_BITS) + slot - np.int64(cum[f, sym])
-                if x < STATE_LOW:
-                    if pos >= end:
-                        err = ERR_OVERRUN
-                        break
-                    x = (x << 16) | np.int64(words[pos])
-                    pos += 1
-                if sym == ESCAPE:
-                    raw = 0
-                    for _ in range(2):
-                        slot = x & (PROB_SCALE - 1)
-                        byte = slot >> _BYTE_SHIFT
-                        x = _BYTE_FREQ * (x >> PROB_BITS) + slot - byte * _BYTE_FREQ
-                        if x < STATE_LOW:
-                            if pos >= end:
-                                err = ERR_OVERRUN
-                                break
-                            x = (x << 16) | np.int64(words[pos])
-                            pos += 1
-                        raw = (raw << 8) | byte
-                    if err != OK:
-                        break
-                    r = raw - 65536 if raw >= 32768 else raw
-                else:
-                    r = sym - BIAS
-                q = np.int32(channel_center[ch] + r)
-                out[row, token_start + t, c0 + c] = np.float32(q) * channel_step[ch]
-            if err != OK:
-                break
-        if err == OK:
-            if pos != end:
-                err = ERR_LENGTH
-            elif x != STATE_LOW:
-                err = ERR_STATE
-        status[s] = err
+        fams = channel_family[base : base + channels_per_stream]
+        centers = channel_center[base : base + channels_per_stream]
+        steps = channel_step[base : base + channels_per_stream]
+        status[s] = _decode_stream(words, offsets[s], offsets[s + 1], fams, centers, steps, cum, freq, slot_symbol,
+                                   tokens, coded, s // groups, (s % groups) * channels_per_stream)
