@@ -13,6 +13,7 @@ missing (tests rely on that).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
@@ -32,6 +33,7 @@ REGION = "us-east-1"
 _COMPONENTS = ("master", "volume", "filer", "s3", "admin")
 _GRPC_OFFSET = 10000
 _PORT_RANGE = (20000, 45000)
+_PR_SET_PDEATHSIG = 1
 
 
 def weed_binary() -> str | None:
@@ -55,9 +57,22 @@ def _pick_port_pairs(count: int) -> list[int]:
         taken = {p for c in chosen for p in (c, c + _GRPC_OFFSET)}
         if port in taken or port + _GRPC_OFFSET in taken:
             continue
-        if _port_is_free(port) and _port_is_free(port + _GRPC_OFFSET):
+        # A socket file left by a killed server would make weed fail to listen on it.
+        leftover = any(next(Path("/tmp").glob(f"seaweedfs-*-{p}.sock"), None) for p in (port, port + _GRPC_OFFSET))
+        if not leftover and _port_is_free(port) and _port_is_free(port + _GRPC_OFFSET):
             chosen.append(port)
     return chosen
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the test process is killed (a CI timeout), the
+    kernel kills the server too instead of leaving it running. Linux only; the signal
+    follows the *thread* that started the server, so start it from a long-lived thread."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
 
 
 class SeaweedServer:
@@ -134,7 +149,7 @@ class SeaweedServer:
         with open(self._log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.data_dir,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=_die_with_parent,
             )
         try:
             self._wait_until_ready()
