@@ -230,3 +230,20 @@ def test_cache_in_front_of_s3_serves_hits_without_the_server(private_seaweed: Se
     private_seaweed.start()
     with pytest.raises(ObjectNotFound):
         cached.get("cold")
+
+
+def test_servers_side_by_side_leave_nothing_behind(seaweed: SeaweedServer) -> None:
+    from pathlib import Path
+
+    with SeaweedServer() as other:
+        assert other.endpoint_url != seaweed.endpoint_url
+        assert set(other._ports.values()).isdisjoint(seaweed._ports.values())
+        bucket = other.create_bucket()
+        other.client().put_object(Bucket=bucket, Key="k", Body=b"v")
+        data_dir, ports = other.data_dir, dict(other._ports)
+        env = other.env()
+    assert env["AWS_ENDPOINT_URL"].startswith("http://127.0.0.1:")
+    assert not data_dir.exists()
+    for port in ports.values():
+        assert not list(Path("/tmp").glob(f"seaweedfs-*-{port}.sock"))
+        assert not list(Path("/tmp").glob(f"seaweedfs-*-{port + 10000}.sock"))
