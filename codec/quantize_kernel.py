@@ -59,6 +59,7 @@ def quantize_rows(x, step, cost, freq, symbols, escapes, family, center):
             inside = tokens - hist[d, _OUTSIDE]
             var = m2 / inside - (m1 / inside) ** 2 if inside > 0 else 1.0
             near = int(np.rint(4.0 * (0.5 * np.log2(max(var, 1e-6)) + 2.5)))
+            near = max(0, min(SPREADS_PER_SHAPE - 1, near))
             best = 0
             best_cost = np.inf
             for f in range(n_families):
