@@ -112,7 +112,7 @@ class Gateway:
             text = self.runner.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt
             )
-        except Exception as exc:  # jinja raises its own errors for conversations a template refuses
+        except Exception as exc:  # noqa: BLE001 - jinja raises its own errors for conversations a template refuses
             raise InvalidRequest(f"the model's chat template rejects these messages: {exc}", param="messages")
         return self.text_token_ids(text, add_special_tokens=False)
 
@@ -174,24 +174,40 @@ class Outcome:
         return "".join(t.text for t in self.tokens) + self.finished.text_tail
 
 
-async def collect(gateway: Gateway, endpoint: str, job: GenerationJob) -> Outcome:
-    """Run a job to the end (non-streaming requests), recording its metrics."""
+async def observed_events(gateway: Gateway, endpoint: str, job: GenerationJob) -> AsyncIterator[Any]:
+    """The job's events, with the request's metrics (lookup, TTFT, totals) recorded on the way."""
     started = time.perf_counter()
+    prompt: PromptDone | None = None
+    finished: Finished | None = None
+    first_token = True
+    try:
+        async for event in gateway.events(job):
+            if isinstance(event, PromptDone):
+                prompt = event
+                gateway.record_lookup(len(job.prompt_ids), event.kv_info.cached_tokens, bool(job.levels))
+            elif isinstance(event, TokenEvent) and first_token:
+                gateway.metrics.ttft.observe(time.perf_counter() - started)
+                first_token = False
+            elif isinstance(event, Finished):
+                finished = event
+            yield event
+    finally:
+        gateway.observe(endpoint, started, prompt, finished)
+
+
+async def collect(gateway: Gateway, endpoint: str, job: GenerationJob) -> Outcome:
+    """Run a job to the end (non-streaming requests)."""
     prompt: PromptDone | None = None
     tokens: list[TokenEvent] = []
     finished: Finished | None = None
-    async for event in gateway.events(job):
+    async for event in observed_events(gateway, endpoint, job):
         if isinstance(event, PromptDone):
             prompt = event
-            gateway.record_lookup(len(job.prompt_ids), event.kv_info.cached_tokens, bool(job.levels))
         elif isinstance(event, TokenEvent):
-            if not tokens:
-                gateway.metrics.ttft.observe(time.perf_counter() - started)
             tokens.append(event)
         elif isinstance(event, Finished):
             finished = event
     assert prompt is not None and finished is not None
-    gateway.observe(endpoint, started, prompt, finished)
     return Outcome(prompt, tokens, finished)
 
 

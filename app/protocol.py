@@ -80,9 +80,9 @@ class ChatCompletionRequest(SamplingFields, KVExtension):
 
     @model_validator(mode="after")
     def _one_max(self) -> ChatCompletionRequest:
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            if self.max_tokens != self.max_completion_tokens:
-                raise ValueError("set max_tokens or max_completion_tokens, not both")
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("set max_tokens or max_completion_tokens, not both")
         return self
 
     def requested_max_tokens(self) -> int | None:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.gateway import Gateway, collect, usage
+from app.gateway import Gateway, collect, observed_events, usage
 from app.pipeline import Finished, GenerationJob, PromptDone, TokenEvent
 from app.protocol import ChatCompletionRequest, new_id, now
-from app.sse import sse, stream_response
+from app.sse import sse, stream_response, usage_event
 from engine.sampling import SamplingParams
 
 
@@ -35,11 +34,10 @@ def _job(gateway: Gateway, request: ChatCompletionRequest) -> GenerationJob:
 
 
 async def chat_completion(gateway: Gateway, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
-    started = time.perf_counter()
     job = _job(gateway, request)
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        chunks = _stream(gateway, request, job, started, include_usage)
+        chunks = _stream(gateway, job, include_usage)
         return stream_response(chunks, on_error=lambda exc: gateway.metrics.http_errors.labels("stream").inc())
 
     out = await collect(gateway, "chat", job)
@@ -64,9 +62,7 @@ async def chat_completion(gateway: Gateway, request: ChatCompletionRequest) -> J
     return JSONResponse(body)
 
 
-async def _stream(
-    gateway: Gateway, request: ChatCompletionRequest, job: GenerationJob, started: float, include_usage: bool
-) -> AsyncIterator[str]:
+async def _stream(gateway: Gateway, job: GenerationJob, include_usage: bool) -> AsyncIterator[str]:
     chunk_id, created = new_id("chatcmpl"), now()
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
@@ -82,36 +78,17 @@ async def _stream(
         )
 
     prompt: PromptDone | None = None
-    first = True
-    finished: Finished | None = None
-    try:
-        async for event in gateway.events(job):
-            if isinstance(event, PromptDone):
-                prompt = event
-                gateway.record_lookup(len(job.prompt_ids), event.kv_info.cached_tokens, bool(job.levels))
-                yield chunk({"role": "assistant", "content": ""}, kv_cache_info=event.kv_info.model_dump())
-            elif isinstance(event, TokenEvent):
-                if first:
-                    gateway.metrics.ttft.observe(time.perf_counter() - started)
-                    first = False
-                if event.text:
-                    yield chunk({"content": event.text})
-            elif isinstance(event, Finished):
-                finished = event
-                if event.text_tail:
-                    yield chunk({"content": event.text_tail})
-                yield chunk({}, event.reason)
-                if include_usage and prompt is not None:
-                    u = usage(len(job.prompt_ids), event.completion_tokens, prompt.kv_info.cached_tokens)
-                    yield sse(
-                        {
-                            "id": chunk_id,
-                            "object": "chat.completion.chunk",
-                            "created": created,
-                            "model": gateway.model_name,
-                            "choices": [],
-                            "usage": u.model_dump(),
-                        }
-                    )
-    finally:
-        gateway.observe("chat", started, prompt, finished)
+    async for event in observed_events(gateway, "chat", job):
+        if isinstance(event, PromptDone):
+            prompt = event
+            yield chunk({"role": "assistant", "content": ""}, kv_cache_info=event.kv_info.model_dump())
+        elif isinstance(event, TokenEvent):
+            if event.text:
+                yield chunk({"content": event.text})
+        elif isinstance(event, Finished):
+            if event.text_tail:
+                yield chunk({"content": event.text_tail})
+            yield chunk({}, event.reason)
+            if include_usage and prompt is not None:
+                u = usage(len(job.prompt_ids), event.completion_tokens, prompt.kv_info.cached_tokens)
+                yield usage_event(chunk_id, "chat.completion.chunk", created, gateway.model_name, u.model_dump())

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.gateway import Gateway, collect, usage
+from app.gateway import Gateway, collect, observed_events, usage
 from app.pipeline import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
 from app.protocol import CompletionRequest, new_id, now
-from app.sse import sse, stream_response
+from app.sse import sse, stream_response, usage_event
 from engine.sampling import SamplingParams
 
 
@@ -104,7 +103,6 @@ async def completion(gateway: Gateway, request: CompletionRequest) -> JSONRespon
 async def _stream(
     gateway: Gateway, request: CompletionRequest, job: GenerationJob, include_usage: bool
 ) -> AsyncIterator[str]:
-    started = time.perf_counter()
     chunk_id, created = new_id("cmpl"), now()
 
     def chunk(text: str, logprobs: dict | None = None, finish: str | None = None, **extra: Any) -> str:
@@ -120,51 +118,32 @@ async def _stream(
         )
 
     prompt: PromptDone | None = None
-    finished: Finished | None = None
-    first = True
     offset = 0
-    try:
-        async for event in gateway.events(job):
-            if isinstance(event, PromptDone):
-                prompt = event
-                gateway.record_lookup(len(job.prompt_ids), event.kv_info.cached_tokens, bool(job.levels))
-                if request.echo:
-                    builder = _LogprobsBuilder()
-                    for entry in event.prompt_logprobs or []:
-                        builder.add(entry)
-                    text = _prompt_text(gateway, request, job)
-                    offset = len(text)
-                    yield chunk(
-                        text,
-                        builder.body if request.logprobs is not None else None,
-                        kv_cache_info=event.kv_info.model_dump(),
-                    )
-            elif isinstance(event, TokenEvent):
-                if first:
-                    gateway.metrics.ttft.observe(time.perf_counter() - started)
-                    first = False
-                logprobs = None
-                if event.logprob is not None:
-                    builder = _LogprobsBuilder(offset)
-                    builder.add(event.logprob)
-                    logprobs = builder.body
-                offset += len(event.text)
-                if event.text or logprobs is not None:
-                    yield chunk(event.text, logprobs)
-            elif isinstance(event, Finished):
-                finished = event
-                yield chunk(event.text_tail, None, event.reason)
-                if include_usage and prompt is not None:
-                    u = usage(len(job.prompt_ids), event.completion_tokens, prompt.kv_info.cached_tokens)
-                    yield sse(
-                        {
-                            "id": chunk_id,
-                            "object": "text_completion",
-                            "created": created,
-                            "model": gateway.model_name,
-                            "choices": [],
-                            "usage": u.model_dump(),
-                        }
-                    )
-    finally:
-        gateway.observe("completions", started, prompt, finished)
+    async for event in observed_events(gateway, "completions", job):
+        if isinstance(event, PromptDone):
+            prompt = event
+            if request.echo:
+                builder = _LogprobsBuilder()
+                for entry in event.prompt_logprobs or []:
+                    builder.add(entry)
+                text = _prompt_text(gateway, request, job)
+                offset = len(text)
+                yield chunk(
+                    text,
+                    builder.body if request.logprobs is not None else None,
+                    kv_cache_info=event.kv_info.model_dump(),
+                )
+        elif isinstance(event, TokenEvent):
+            logprobs = None
+            if event.logprob is not None:
+                builder = _LogprobsBuilder(offset)
+                builder.add(event.logprob)
+                logprobs = builder.body
+            offset += len(event.text)
+            if event.text or logprobs is not None:
+                yield chunk(event.text, logprobs)
+        elif isinstance(event, Finished):
+            yield chunk(event.text_tail, None, event.reason)
+            if include_usage and prompt is not None:
+                u = usage(len(job.prompt_ids), event.completion_tokens, prompt.kv_info.cached_tokens)
+                yield usage_event(chunk_id, "text_completion", created, gateway.model_name, u.model_dump())

@@ -17,6 +17,11 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+def usage_event(chunk_id: str, obj: str, created: int, model: str, usage: dict[str, Any]) -> str:
+    """The closing chunk of ``stream_options.include_usage``: no choices, just usage."""
+    return sse({"id": chunk_id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage})
+
+
 def stream_response(chunks: AsyncIterator[str], on_error: Callable[[Exception], None]) -> StreamingResponse:
     """Frames already produced by ``chunks``; an error mid-stream becomes an error event."""
 
@@ -24,7 +29,7 @@ def stream_response(chunks: AsyncIterator[str], on_error: Callable[[Exception], 
         try:
             async for chunk in chunks:
                 yield chunk
-        except Exception as exc:  # the status line is gone: report in-band, as OpenAI does
+        except Exception as exc:  # noqa: BLE001 - the status line is gone: report in-band, as OpenAI does
             on_error(exc)
             err = to_api_error(exc)
             yield sse(error_body(err.message, err.type, err.param, err.code))

@@ -78,7 +78,7 @@ class ModelWorker:
         def run() -> None:
             try:
                 job(emit, cancel)
-            except BaseException as exc:  # handed to the consumer, which re-raises it
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 emit(exc)
             finally:
                 emit(_DONE)

@@ -89,6 +89,10 @@ class ContextStore:
         self.store.put(manifest_key(manifest.id), manifest.to_bytes())
         return manifest
 
+    def exists(self, ctx_id: str) -> bool:
+        """Whether the manifest is stored (raises StorageError when the store cannot say)."""
+        return self.store.head(manifest_key(ctx_id)) is not None
+
     def get(self, ctx_id: str) -> Manifest:
         if context_id_from_manifest_key(manifest_key(ctx_id)) != ctx_id or "/" in ctx_id:
             raise ContextNotFound(ctx_id)

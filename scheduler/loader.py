@@ -72,7 +72,12 @@ class PrefixLoader:
         if not keys or not levels:
             return result
         started = time.perf_counter()
-        level = self._probe_level(keys[0], levels, result)
+        try:
+            level = self.probe(keys[0], levels)
+        except StorageError as exc:
+            log.warning("KV store unavailable while probing %s: %s", self.store, exc)
+            result.faults.append("store_unavailable")
+            level = None
         if level is None:
             result.fetch_seconds = time.perf_counter() - started
             return result
@@ -105,13 +110,9 @@ class PrefixLoader:
         result.decode_seconds = decode_time
         return result
 
-    def _probe_level(self, first_key: str, levels: Sequence[Level], result: PrefixLoad) -> Level | None:
-        try:
-            present = self.store.exists_many([chunk_object_key(first_key, lv.name) for lv in levels])
-        except StorageError as exc:
-            log.warning("KV store unavailable while probing %s: %s", self.store, exc)
-            result.faults.append("store_unavailable")
-            return None
+    def probe(self, first_key: str, levels: Sequence[Level]) -> Level | None:
+        """The first of ``levels`` at which chunk 0 is stored: one batched existence check."""
+        present = self.store.exists_many([chunk_object_key(first_key, lv.name) for lv in levels])
         return next((lv for lv, ok in zip(levels, present) if ok), None)
 
     def _fetched(self, future: Future[bytes], index: int, result: PrefixLoad) -> bytes | None:

@@ -39,7 +39,7 @@ class WriteBack:
         self._pending = 0
         self._lock = threading.Lock()
 
-    def submit(self, keys: Sequence[str], cache, first: int) -> None:  # noqa: ANN001 - a transformers Cache
+    def submit(self, keys: Sequence[str], cache, first: int) -> None:
         with self._lock:
             if self._pending >= self.max_pending:
                 self.on_done("dropped")
