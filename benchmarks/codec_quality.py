@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.levels_file:
         levels = load_level_table(json.loads(Path(args.levels_file).read_text()))
     methods = {lv.name: level_method(lv) for lv in levels if not lv.lossless}
-    methods.update(BASELINES)
+    if not args.no_baselines:
+        methods.update(BASELINES)
     runner = ModelRunner(load_model(args.model))
     need = args.prefix_tokens + args.continuation_tokens
 
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--continuation-tokens", type=int, default=256)
     parser.add_argument("--passkey-trials", type=int, default=12)
+    parser.add_argument("--no-baselines", action="store_true", help="levels only (when comparing level tables)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(max(1, torch.get_num_threads()))
