@@ -43,7 +43,17 @@ def _put(x, start, freq, buf, pos):
         buf[pos] = x & 0xFFFF
         pos -= 1
         x >>= 16
-    x = ((x // freq) << PROB_BITS) + (x % freq) + start
+    # Integer division is the encoder's slowest step; a float64 quotient of a
+    # 32-bit x is off by at most one, and the remainder check puts it right.
+    q = np.int64(np.float64(x) / np.float64(freq))
+    r = x - q * freq
+    if r < 0:
+        q -= 1
+        r += freq
+    elif r >= freq:
+        q += 1
+        r -= freq
+    x = (q << PROB_BITS) + r + start
     return x, pos
 
 
