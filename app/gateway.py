@@ -211,11 +211,23 @@ async def collect(gateway: Gateway, endpoint: str, job: GenerationJob) -> Outcom
     return Outcome(prompt, tokens, finished)
 
 
-def build_gateway(settings: Settings) -> Gateway:
-    if settings.torch_threads:
-        import torch
+def configure_threads(settings: Settings) -> None:
+    """Thread runtimes for torch and the codec's numba kernels; call before either runs.
 
+    numba's default OpenMP layer, once started in a process that also runs
+    torch, made every later torch forward pass 5-6x slower here (two OpenMP
+    runtimes spinning against each other); its own ``workqueue`` layer does not.
+    """
+    import numba
+    import torch
+
+    numba.config.THREADING_LAYER = "workqueue"
+    if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
+
+
+def build_gateway(settings: Settings) -> Gateway:
+    configure_threads(settings)
     loaded = load_model(
         settings.model, device=settings.device, cache_dir=settings.cache_dir, served_name=settings.served_model_name
     )
