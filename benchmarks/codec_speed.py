@@ -56,12 +56,11 @@ def efficiency(data: bytes) -> dict[str, float]:
     header, payload = unpack(data)
     layers, _, heads, tokens, dim = header.shape
     rd = quantized._Reader(payload)
-    groups, _, n_exact = quantized._PREFIX.unpack(rd.take(quantized._PREFIX.size, "prefix"))
+    groups, _, n_exact, side_len = quantized._PREFIX.unpack(rd.take(quantized._PREFIX.size, "prefix"))
     channels = layers * 2 * heads * dim
+    codes, family, center = quantized._unpack_side(rd.take(side_len, "side"), channels)
+    family, center = family.astype(np.int64), center.astype(np.int64)
     rd.take(2 * layers * 2 * heads * n_exact * dim, "exact")
-    codes = rd.array("u1", channels, "codes")
-    family = rd.array("u1", channels, "family").astype(np.int64)
-    center = rd.array("<i2", channels, "center").astype(np.int64)
     lengths = rd.array("<u4", (channels // (dim // groups)), "lengths").astype(np.int64)
     kv = decode_chunk(data).numpy()[:, :, :, n_exact:]
     step = quantized.STEP_TABLE[codes.reshape(layers, 2, heads, dim)]

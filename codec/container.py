@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from codec.errors import CodecError
 
 MAGIC = b"CGKV"
-# 2: adds the lossy QUANT scheme (scheme byte 2).
-FORMAT_VERSION = 2
+# 2: adds the lossy QUANT scheme (scheme byte 2); 3: its side info is zstd-compressed.
+FORMAT_VERSION = 3
 
 # magic, version, scheme, dtype, layers, kv_heads, head_dim, tokens, payload_len
 _HEADER = struct.Struct("<4sHBBHHHIQ")
