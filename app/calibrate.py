@@ -50,15 +50,16 @@ class LevelTarget:
     max_bits: float | None = None  # bits per KV value, metadata included
 
 
-# Quality is targeted through KL, not through PPL or top-1: on a few hundred tokens those two
-# move by a percent from perturbations of any size, while KL grows smoothly with the step.
-# The KL bounds were placed by measurement on the default model (docs/codec.md): the benchmark
-# texts (copy-heavy licence text, reference prose) are ~2x more sensitive than the calibration
-# text, and 0.0003 / 0.007 here are what kept them at top-1 >= 0.98 / >= 0.91. Low is set by
-# size (6x smaller than 8-bit) instead.
+# High is placed by quality, through KL rather than PPL or top-1: on a few hundred tokens those
+# two move by a percent from perturbations of any size, while KL grows smoothly with the step.
+# The benchmark texts (copy-heavy licence text, reference prose) are more sensitive than the
+# calibration text; KL 0.0003 here kept them at top-1 >= 0.98 (docs/codec.md). Medium and low are
+# placed by size, the budgets with a margin (2.3 bits, and 6x smaller than 8-bit), and
+# their quality is what the benchmark measures: on this model that budget, not a quality bar, is
+# the binding constraint for medium.
 TARGETS = (
     LevelTarget("high", max_kl=0.0003),
-    LevelTarget("medium", max_kl=0.007),
+    LevelTarget("medium", max_bits=2.2),
     LevelTarget("low", max_bits=1.25),
 )
 
