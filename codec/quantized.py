@@ -179,8 +179,10 @@ def decode(payload: bytes | memoryview, shape: tuple[int, int, int, int, int]) -
     channels = layers * 2 * heads * dim
     cps = dim // groups
     n_streams = channels // cps
-    if channels > MAX_VALUES:
-        raise CodecError(f"chunk of {channels} channels is over the decoder's limit")
+    # Bound what the side info may decompress to by what the payload can hold: every stream
+    # has a 4-byte table entry and at least 4 bytes of words.
+    if channels > MAX_VALUES or 8 * n_streams > len(rd.data):
+        raise CodecError(f"{channels} channels do not fit a {len(rd.data)}-byte payload")
     codes, family, center = _unpack_side(rd.take(side_len, "side info"), channels)
     exact = rd.array("<f2", layers * 2 * heads * n_exact * dim, "exact tokens")
     lengths = rd.array("<u4", n_streams, "stream table").astype(np.int64)
