@@ -64,7 +64,9 @@ TARGETS = (
 )
 
 
-def round_trip_chunks(kv: torch.Tensor, level: Level, chunk_tokens: int = CHUNK_TOKENS) -> tuple[torch.Tensor, int]:
+def round_trip_chunks(
+    kv: torch.Tensor, level: Level, chunk_tokens: int = CHUNK_TOKENS
+) -> tuple[torch.Tensor, int]:
     """``kv`` encoded chunk by chunk and decoded again, and the encoded size in bytes."""
     parts, size = [], 0
     for start in range(0, kv.shape[3], chunk_tokens):
@@ -75,8 +77,11 @@ def round_trip_chunks(kv: torch.Tensor, level: Level, chunk_tokens: int = CHUNK_
 
 
 def quant_level(name: str, key_step, value_step, rms: np.ndarray | None) -> Level:
-    params = QuantParams(key_step=tuple(float(v) for v in np.atleast_1d(key_step)),
-                         value_step=tuple(float(v) for v in np.atleast_1d(value_step)), key_channel_rms=rms)
+    params = QuantParams(
+        key_step=tuple(float(v) for v in np.atleast_1d(key_step)),
+        value_step=tuple(float(v) for v in np.atleast_1d(value_step)),
+        key_channel_rms=rms,
+    )
     return Level(name, Scheme.QUANT, lossless=False, quant=params)
 
 
@@ -128,8 +133,12 @@ def _evaluate(runner, refs, level: Level) -> dict[str, float]:
         changes.append(q.ppl_change)
         top1s.append(q.top1)
         kls.append(q.kl)
-    return {"bits": bits / values, "ppl_change": float(np.mean(changes)), "top1": float(np.mean(top1s)),
-            "kl": float(np.mean(kls))}
+    return {
+        "bits": bits / values,
+        "ppl_change": float(np.mean(changes)),
+        "top1": float(np.mean(top1s)),
+        "kl": float(np.mean(kls)),
+    }
 
 
 def _meets(target: LevelTarget, m: dict[str, float]) -> bool:
@@ -141,8 +150,18 @@ def _meets(target: LevelTarget, m: dict[str, float]) -> bool:
     return bool(ok)
 
 
-def search_scale(runner, refs, target: LevelTarget, key_steps, value_steps, rms, lo=0.05, hi=8.0, rounds=7,
-                 seen: dict[float, dict[str, float]] | None = None):
+def search_scale(
+    runner,
+    refs,
+    target: LevelTarget,
+    key_steps,
+    value_steps,
+    rms,
+    lo=0.05,
+    hi=8.0,
+    rounds=7,
+    seen: dict[float, dict[str, float]] | None = None,
+):
     """Geometric bisection on the global scale: coarsest that meets quality targets, finest that meets size."""
     by_size = target.max_bits is not None
     best = None
@@ -150,11 +169,21 @@ def search_scale(runner, refs, target: LevelTarget, key_steps, value_steps, rms,
     for _ in range(rounds):
         mid = round(math.sqrt(lo * hi), 6)
         if mid not in seen:
-            seen[mid] = _evaluate(runner, refs, quant_level(target.name, mid * key_steps, mid * value_steps, rms))
+            seen[mid] = _evaluate(
+                runner, refs, quant_level(target.name, mid * key_steps, mid * value_steps, rms)
+            )
         m = seen[mid]
         ok = _meets(target, m)
-        log.info("%s scale %.3f: %.3f bits, KL %.4f, ppl %+.2f%%, top-1 %.3f -> %s", target.name, mid, m["bits"],
-                 m["kl"], 100 * m["ppl_change"], m["top1"], "ok" if ok else "no")
+        log.info(
+            "%s scale %.3f: %.3f bits, KL %.4f, ppl %+.2f%%, top-1 %.3f -> %s",
+            target.name,
+            mid,
+            m["bits"],
+            m["kl"],
+            100 * m["ppl_change"],
+            m["top1"],
+            "ok" if ok else "no",
+        )
         if ok:
             best = (mid, m)
         if ok != by_size:  # quality target met: try coarser; size met: try finer
@@ -176,12 +205,14 @@ def calibration_tokens(runner, texts: list[str], tokens: int) -> list[int]:
 
 
 def default_texts() -> list[str]:
-    import pydoc_data.topics as topics  # the Python reference manual, shipped with the interpreter
+    from pydoc_data import topics  # the Python reference manual, shipped with the interpreter
 
     return [topics.topics["compound"], topics.topics["typesseq"]]
 
 
-def calibrate(runner, texts: list[str], prefix: int, continuation: int, sensitivity: np.ndarray | None = None) -> dict:
+def calibrate(
+    runner, texts: list[str], prefix: int, continuation: int, sensitivity: np.ndarray | None = None
+) -> dict:
     from engine.quality import query_channel_rms, reference_continuation
 
     ids = calibration_tokens(runner, texts, prefix + continuation)
@@ -196,19 +227,25 @@ def calibrate(runner, texts: list[str], prefix: int, continuation: int, sensitiv
     for target in TARGETS:
         scale, m = search_scale(runner, [ref], target, key_steps, value_steps, rms, seen=seen)
         measured[target.name] = {"scale": scale, **m}
-        levels.append({
-            "name": target.name,
-            "scheme": "quant",
-            "key_step": [round(float(v), 4) for v in scale * key_steps],
-            "value_step": [round(float(v), 4) for v in scale * value_steps],
-        })
+        levels.append(
+            {
+                "name": target.name,
+                "scheme": "quant",
+                "key_step": [round(float(v), 4) for v in scale * key_steps],
+                "value_step": [round(float(v), 4) for v in scale * value_steps],
+            }
+        )
     log.info("calibrated in %.0f s", time.monotonic() - t0)
     return {
         "format": TABLE_FORMAT,
         "model": runner.loaded.name,
         "comment": "written by python -m app calibrate; steps per layer, key steps divided by key_channel_rms",
-        "calibration": {"prefix_tokens": prefix, "continuation_tokens": continuation,
-                        "sensitivity_kl": np.round(sens, 6).tolist(), "measured": measured},
+        "calibration": {
+            "prefix_tokens": prefix,
+            "continuation_tokens": continuation,
+            "sensitivity_kl": np.round(sens, 6).tolist(),
+            "measured": measured,
+        },
         "key_channel_rms": np.round(rms, 4).tolist(),
         "levels": levels,
     }
@@ -217,18 +254,28 @@ def calibrate(runner, texts: list[str], prefix: int, continuation: int, sensitiv
 def format_table(table: dict) -> str:
     """JSON with one line per innermost list of numbers (a layer's steps, a head's channel RMS)."""
     text = json.dumps(table, indent=1)
-    return re.sub(r"\[\s*([-0-9.e,\s]+?)\s*\]", lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]",
-                  text) + "\n"
+    return (
+        re.sub(
+            r"\[\s*([-0-9.e,\s]+?)\s*\]",
+            lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]",
+            text,
+        )
+        + "\n"
+    )
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m app calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="model reference (as for the gateway)")
     parser.add_argument("--out", type=Path, required=True, help="where to write the level table (JSON)")
-    parser.add_argument("--text", type=Path, action="append", help="calibration text file(s); default: Python docs")
+    parser.add_argument(
+        "--text", type=Path, action="append", help="calibration text file(s); default: Python docs"
+    )
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--continuation-tokens", type=int, default=256)
-    parser.add_argument("--sensitivity-from", type=Path, help="reuse the per-layer sensitivity of an earlier table")
+    parser.add_argument(
+        "--sensitivity-from", type=Path, help="reuse the per-layer sensitivity of an earlier table"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 

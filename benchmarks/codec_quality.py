@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.calibrate import round_trip_chunks  # noqa: E402
-from codec import DEFAULT_LEVELS, Level, Scheme, encode_chunk, load_level_table  # noqa: E402
+from app.calibrate import round_trip_chunks
+from codec import DEFAULT_LEVELS, Level, Scheme, encode_chunk, load_level_table
 
 log = logging.getLogger("codec_quality")
 BASELINE_8BIT = 8.0  # the paper's baseline stored raw: 8 bits per value
@@ -97,7 +97,7 @@ def level_method(level: Level) -> Callable[[torch.Tensor], tuple[torch.Tensor, f
 
 def benchmark_texts() -> dict[str, str]:
     """Real prose shipped with the interpreter (PSF licence) plus the project's seed texts."""
-    import pydoc_data.topics as topics
+    from pydoc_data import topics
 
     texts = {
         "python-license": (Path(sys.base_prefix) / "lib" / "python3.11" / "LICENSE.txt"),
@@ -112,7 +112,9 @@ def benchmark_texts() -> dict[str, str]:
                 continue
             text = text.read_text(encoding="utf-8")
         out[name] = text
-    for seed in sorted(Path("/work/shared/seeds").glob("*.txt")) if Path("/work/shared/seeds").is_dir() else []:
+    for seed in (
+        sorted(Path("/work/shared/seeds").glob("*.txt")) if Path("/work/shared/seeds").is_dir() else []
+    ):
         out[f"seed-{seed.stem[:12]}"] = seed.read_text(encoding="utf-8")
     return out
 
@@ -160,8 +162,12 @@ def run(args: argparse.Namespace) -> dict:
         passkey["lossless"].append(passkey_answer(runner, task, kv))
         for method, fn in methods.items():
             passkey[method].append(passkey_answer(runner, task, fn(kv)[0].to(kv.dtype)))
-        log.info("pass-key trial %d (%d tokens): %s", trial, len(task.context_ids),
-                 {m: v[-1] for m, v in passkey.items()})
+        log.info(
+            "pass-key trial %d (%d tokens): %s",
+            trial,
+            len(task.context_ids),
+            {m: v[-1] for m, v in passkey.items()},
+        )
 
     summary = {}
     for method in ["lossless", *methods]:
@@ -180,22 +186,28 @@ def run(args: argparse.Namespace) -> dict:
         "model": runner.loaded.name,
         "prefix_tokens": args.prefix_tokens,
         "continuation_tokens": args.continuation_tokens,
-        "passkey_trials": int(len(lengths)),
+        "passkey_trials": len(lengths),
         "texts": per_text,
         "summary": summary,
     }
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{result['model']}: {len(result['texts'])} texts x {result['prefix_tokens']}+"
-          f"{result['continuation_tokens']} tokens, {result['passkey_trials']} pass-key trials")
-    print(f"{'method':16s} {'bits/val':>8s} {'vs 8-bit':>8s} {'PPL chg':>8s} {'worst':>7s} {'top-1':>6s} "
-          f"{'worst':>6s} {'pass-key':>8s}")
+    print(
+        f"\n{result['model']}: {len(result['texts'])} texts x {result['prefix_tokens']}+"
+        f"{result['continuation_tokens']} tokens, {result['passkey_trials']} pass-key trials"
+    )
+    print(
+        f"{'method':16s} {'bits/val':>8s} {'vs 8-bit':>8s} {'PPL chg':>8s} {'worst':>7s} {'top-1':>6s} "
+        f"{'worst':>6s} {'pass-key':>8s}"
+    )
     for method, e in result["summary"].items():
         pk = "-" if e["passkey"] is None else f"{e['passkey']:.2f}"
         worst_p = f"{100 * e.get('worst_ppl_change', 0):+.2f}%"
-        print(f"{method:16s} {e['bits']:8.3f} {e['x_smaller_than_8bit']:7.2f}x {100 * e['ppl_change']:+7.2f}% "
-              f"{worst_p:>7s} {e['top1']:6.3f} {e.get('worst_top1', 1.0):6.3f} {pk:>8s}")
+        print(
+            f"{method:16s} {e['bits']:8.3f} {e['x_smaller_than_8bit']:7.2f}x {100 * e['ppl_change']:+7.2f}% "
+            f"{worst_p:>7s} {e['top1']:6.3f} {e.get('worst_top1', 1.0):6.3f} {pk:>8s}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--continuation-tokens", type=int, default=256)
     parser.add_argument("--passkey-trials", type=int, default=12)
-    parser.add_argument("--no-baselines", action="store_true", help="levels only (when comparing level tables)")
+    parser.add_argument(
+        "--no-baselines", action="store_true", help="levels only (when comparing level tables)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -27,10 +27,9 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from codec import DEFAULT_LEVELS, decode_chunk, encode_chunk  # noqa: E402
-from codec import quantized, rans  # noqa: E402
-from codec.container import unpack  # noqa: E402
-from codec.entropy_model import bank  # noqa: E402
+from codec import DEFAULT_LEVELS, decode_chunk, encode_chunk, quantized, rans
+from codec.container import unpack
+from codec.entropy_model import bank
 
 
 def real_kv(tokens: int) -> torch.Tensor:
@@ -79,10 +78,15 @@ def efficiency(data: bytes) -> dict[str, float]:
         empirical -= float((counts * np.log2(p)).sum())
     coded = float(16 * lengths.sum())
     meta = 8.0 * (len(data) - 2 * lengths.sum())
-    return {"coded_bits": coded, "model_bits": ideal, "empirical_entropy_bits": empirical,
-            "coded_over_model": coded / ideal, "model_over_empirical": ideal / empirical,
-            "metadata_bits_per_value": meta / (layers * 2 * heads * tokens * dim),
-            "stream_bits_per_value": coded / (layers * 2 * heads * tokens * dim)}
+    return {
+        "coded_bits": coded,
+        "model_bits": ideal,
+        "empirical_entropy_bits": empirical,
+        "coded_over_model": coded / ideal,
+        "model_over_empirical": ideal / empirical,
+        "metadata_bits_per_value": meta / (layers * 2 * heads * tokens * dim),
+        "stream_bits_per_value": coded / (layers * 2 * heads * tokens * dim),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/codec_speed.json"))
     parser.add_argument("--tokens", type=int, default=256, help="tokens per chunk")
     parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--synthetic", action="store_true", help="random KV instead of the model's (no model load)")
+    parser.add_argument(
+        "--synthetic", action="store_true", help="random KV instead of the model's (no model load)"
+    )
     args = parser.parse_args(argv)
 
     if args.synthetic:
@@ -124,17 +130,31 @@ def main(argv: list[str] | None = None) -> int:
     zstd_dec = results["zstd-1 on fp16"]["decode_mb_s"]
     for entry in results.values():
         entry["decode_vs_zstd1"] = entry["decode_mb_s"] / zstd_dec
-    out = {"tokens": args.tokens, "values": kv.numel(), "fp16_mb": mb, "threads": torch.get_num_threads(),
-           "numba_threads": __import__("numba").get_num_threads(), "results": results}
+    out = {
+        "tokens": args.tokens,
+        "values": kv.numel(),
+        "fp16_mb": mb,
+        "threads": torch.get_num_threads(),
+        "numba_threads": __import__("numba").get_num_threads(),
+        "results": results,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"chunk: {args.tokens} tokens, {mb:.2f} MB fp16-equivalent; MB/s of fp16-equivalent KV")
-    print(f"{'method':16s} {'bits/val':>8s} {'enc MB/s':>9s} {'dec MB/s':>9s} {'dec/zstd1':>9s} {'coded/model':>11s} "
-          f"{'model/H0':>8s}")
+    print(
+        f"{'method':16s} {'bits/val':>8s} {'enc MB/s':>9s} {'dec MB/s':>9s} {'dec/zstd1':>9s} {'coded/model':>11s} "
+        f"{'model/H0':>8s}"
+    )
     for name, e in results.items():
-        eff = f"{e['coded_over_model']:11.4f} {e['model_over_empirical']:8.4f}" if "coded_over_model" in e else ""
-        print(f"{name:16s} {e['bits_per_value']:8.3f} {e['encode_mb_s']:9.1f} {e['decode_mb_s']:9.1f} "
-              f"{e['decode_vs_zstd1']:9.2f} {eff}")
+        eff = (
+            f"{e['coded_over_model']:11.4f} {e['model_over_empirical']:8.4f}"
+            if "coded_over_model" in e
+            else ""
+        )
+        print(
+            f"{name:16s} {e['bits_per_value']:8.3f} {e['encode_mb_s']:9.1f} {e['decode_mb_s']:9.1f} "
+            f"{e['decode_vs_zstd1']:9.2f} {eff}"
+        )
     return 0
 
 

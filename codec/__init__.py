@@ -6,7 +6,15 @@ No I/O, no asyncio, no settings: callers hand in tensors and level objects.
 from codec.chunk import decode_chunk, encode_chunk
 from codec.container import FORMAT_VERSION
 from codec.errors import CodecError
-from codec.levels import DEFAULT_LEVELS, LOSSLESS, Level, LevelTableError, Scheme, level_by_name, load_level_table
+from codec.levels import (
+    DEFAULT_LEVELS,
+    LOSSLESS,
+    Level,
+    LevelTableError,
+    Scheme,
+    level_by_name,
+    load_level_table,
+)
 
 __all__ = [
     "DEFAULT_LEVELS",

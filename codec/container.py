@@ -65,9 +65,7 @@ def read_header(data: bytes | memoryview) -> ChunkHeader:
     """Parse and check the fixed header alone (no checksum: for inspection)."""
     if len(data) < _HEADER.size:
         raise CodecError(f"chunk too short for a header: {len(data)} bytes")
-    magic, version, scheme, dtype, layers, heads, head_dim, tokens, payload_len = _HEADER.unpack_from(
-        data
-    )
+    magic, version, scheme, dtype, layers, heads, head_dim, tokens, payload_len = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise CodecError("not a KV chunk (bad magic)")
     if version != FORMAT_VERSION:

@@ -22,7 +22,7 @@ from functools import cache
 
 import numpy as np
 
-from codec.rans import ALPHABET, BIAS, ESCAPE, PROB_BITS, PROB_SCALE
+from codec.rans import ALPHABET, BIAS, ESCAPE, PROB_SCALE
 
 SPREADS_PER_SHAPE = 32
 SHAPES = ("laplace", "gaussian")
@@ -41,7 +41,9 @@ def _probabilities(shape: str, sigma: float) -> np.ndarray:
     edges = np.arange(-BIAS - 0.5, BIAS + 1.5, 1.0)
     if shape == "laplace":
         b = sigma / math.sqrt(2.0)
-        cdf = np.where(edges < 0, 0.5 * np.exp(np.minimum(edges, 0) / b), 1 - 0.5 * np.exp(-np.maximum(edges, 0) / b))
+        cdf = np.where(
+            edges < 0, 0.5 * np.exp(np.minimum(edges, 0) / b), 1 - 0.5 * np.exp(-np.maximum(edges, 0) / b)
+        )
     else:
         erf = np.vectorize(math.erf)
         cdf = 0.5 * (1 + erf(edges / (sigma * math.sqrt(2.0))))

@@ -144,7 +144,7 @@ def _unpack_side(data: memoryview, channels: int) -> tuple[np.ndarray, np.ndarra
         raise CodecError("side info has the wrong size")
     arr = np.frombuffer(raw, dtype=np.uint8)
     codes, family = arr[:channels], arr[channels : 2 * channels]
-    center = (arr[2 * channels : 3 * channels].astype(np.uint16) | (arr[3 * channels :].astype(np.uint16) << 8))
+    center = arr[2 * channels : 3 * channels].astype(np.uint16) | (arr[3 * channels :].astype(np.uint16) << 8)
     return codes, family, center.view(np.int16)
 
 
@@ -204,9 +204,24 @@ def decode(payload: bytes | memoryview, shape: tuple[int, int, int, int, int]) -
     out[:, :n_exact] = exact.reshape(layers * 2 * heads, n_exact, dim)
     status = np.zeros(n_streams, dtype=np.int32)
     b = bank()
-    rans.decode_streams(words, offsets, family.astype(np.int32), center.astype(np.int32), STEP_TABLE[codes],
-                        b.cum, b.freq, b.slot_symbol, coded, cps, n_exact, out, status)
+    rans.decode_streams(
+        words,
+        offsets,
+        family.astype(np.int32),
+        center.astype(np.int32),
+        STEP_TABLE[codes],
+        b.cum,
+        b.freq,
+        b.slot_symbol,
+        coded,
+        cps,
+        n_exact,
+        out,
+        status,
+    )
     bad = np.flatnonzero(status)
     if bad.size:
-        raise CodecError(f"{bad.size} corrupt entropy-coded streams (first: stream {bad[0]}, error {status[bad[0]]})")
+        raise CodecError(
+            f"{bad.size} corrupt entropy-coded streams (first: stream {bad[0]}, error {status[bad[0]]})"
+        )
     return torch.from_numpy(out.reshape(shape))

@@ -142,8 +142,21 @@ def _decode_stream(words, pos, end, fams, centers, steps, cum, freq, slot_symbol
 
 
 @numba.njit(cache=True, parallel=True)
-def decode_streams(words, offsets, channel_family, channel_center, channel_step, cum, freq, slot_symbol,
-                   tokens, channels_per_stream, token_start, out, status):
+def decode_streams(
+    words,
+    offsets,
+    channel_family,
+    channel_center,
+    channel_step,
+    cum,
+    freq,
+    slot_symbol,
+    tokens,
+    channels_per_stream,
+    token_start,
+    out,
+    status,
+):
     """Decode every stream into ``out[s // groups, token_start + t, c0 + c]`` as float32.
 
     ``offsets[s]:offsets[s+1]`` are the words of stream ``s``. A stream that
@@ -153,7 +166,7 @@ def decode_streams(words, offsets, channel_family, channel_center, channel_step,
     n_streams = offsets.shape[0] - 1
     head_dim = out.shape[2]
     groups = head_dim // channels_per_stream
-    coded = out[:, token_start:token_start + tokens]
+    coded = out[:, token_start : token_start + tokens]
     for s in numba.prange(n_streams):
         if offsets[s + 1] - offsets[s] < 2:
             status[s] = ERR_LENGTH
@@ -162,5 +175,18 @@ def decode_streams(words, offsets, channel_family, channel_center, channel_step,
         fams = channel_family[base : base + channels_per_stream]
         centers = channel_center[base : base + channels_per_stream]
         steps = channel_step[base : base + channels_per_stream]
-        status[s] = _decode_stream(words, offsets[s], offsets[s + 1], fams, centers, steps, cum, freq, slot_symbol,
-                                   tokens, coded, s // groups, (s % groups) * channels_per_stream)
+        status[s] = _decode_stream(
+            words,
+            offsets[s],
+            offsets[s + 1],
+            fams,
+            centers,
+            steps,
+            cum,
+            freq,
+            slot_symbol,
+            tokens,
+            coded,
+            s // groups,
+            (s % groups) * channels_per_stream,
+        )

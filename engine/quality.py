@@ -53,7 +53,9 @@ def reference_continuation(runner: ModelRunner, token_ids: list[int], prefix_tok
     return Continuation(prefix_kv=prefix_kv, token_ids=rest, logits=logits, nll=_nll(logits, rest))
 
 
-def continuation_quality(runner: ModelRunner, ref: Continuation, prefix_kv: torch.Tensor) -> ContinuationQuality:
+def continuation_quality(
+    runner: ModelRunner, ref: Continuation, prefix_kv: torch.Tensor
+) -> ContinuationQuality:
     logits = runner.prefill(ref.token_ids, prefix_kv, want_prompt_logits=True).prompt_logits
     assert logits is not None
     nll = _nll(logits, ref.token_ids)
@@ -100,10 +102,14 @@ def passkey_task(runner: ModelRunner, target_tokens: int, seed: int) -> PassKeyT
     )
 
 
-def passkey_answer(runner: ModelRunner, task: PassKeyTask, context_kv: torch.Tensor, max_new_tokens: int = 8) -> bool:
+def passkey_answer(
+    runner: ModelRunner, task: PassKeyTask, context_kv: torch.Tensor, max_new_tokens: int = 8
+) -> bool:
     state = runner.prefill(task.question_ids, context_kv)
-    tokens = [item[0] if isinstance(item, tuple) else item  # decode may yield (token, logits)
-              for item in runner.decode(state, SamplingParams(temperature=0.0), max_new_tokens)]
+    tokens = [
+        item[0] if isinstance(item, tuple) else item  # decode may yield (token, logits)
+        for item in runner.decode(state, SamplingParams(temperature=0.0), max_new_tokens)
+    ]
     return bool(tokens) and task.answer in runner.tokenizer.decode(tokens)
 
 
@@ -136,7 +142,9 @@ def query_channel_rms(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
 
         return record
 
-    handles = [layer.self_attn.q_proj.register_forward_hook(hook(i)) for i, layer in enumerate(model.model.layers)]
+    handles = [
+        layer.self_attn.q_proj.register_forward_hook(hook(i)) for i, layer in enumerate(model.model.layers)
+    ]
     try:
         runner.prefill(token_ids)
     finally:

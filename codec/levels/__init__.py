@@ -71,7 +71,12 @@ def _level(entry: Any, rms: np.ndarray | None, index: int) -> Level:
     if not isinstance(entry, dict):
         raise LevelTableError(f"levels[{index}] must be an object")
     name = entry.get("name")
-    if not isinstance(name, str) or not name or not name.isascii() or not name.replace("-", "").replace("_", "").isalnum():
+    if (
+        not isinstance(name, str)
+        or not name
+        or not name.isascii()
+        or not name.replace("-", "").replace("_", "").isalnum()
+    ):
         raise LevelTableError(f"levels[{index}]: name must be a short ascii word, got {name!r}")
     where = f"level {name!r}"
     unknown = set(entry) - _LEVEL_KEYS
@@ -113,7 +118,9 @@ def load_level_table(data: dict[str, Any]) -> tuple[Level, ...]:
         except (TypeError, ValueError) as exc:
             raise LevelTableError(f"key_channel_rms is not a numeric array: {exc}") from None
         if rms.ndim != 3 or rms.size == 0 or not np.isfinite(rms).all() or (rms <= 0).any():
-            raise LevelTableError("key_channel_rms must be a (layers, kv_heads, head_dim) array of positive numbers")
+            raise LevelTableError(
+                "key_channel_rms must be a (layers, kv_heads, head_dim) array of positive numbers"
+            )
         rms.setflags(write=False)
     entries = data.get("levels")
     if not isinstance(entries, list) or not entries:

@@ -92,8 +92,7 @@ def test_random_bytes_are_rejected(data: bytes) -> None:
 @given(st.binary(min_size=0, max_size=300))
 def test_random_payload_behind_a_valid_header_and_crc(payload: bytes) -> None:
     """A well-formed header + CRC around random bytes: the scheme parsers must reject it or stay in bounds."""
-    for name in CHUNKS:
-        data, kv = CHUNKS[name]
+    for data, kv in CHUNKS.values():
         head = bytearray(data[:HEADER_SIZE])
         head[-8:] = struct.pack("<Q", len(payload))
         _decodes_or_rejects(_forge_crc(bytes(head) + payload + bytes(4)), kv)
@@ -124,7 +123,7 @@ def test_forged_header_dimensions_never_allocate_unbounded(data: st.DataObject) 
 
 
 def test_stream_corruption_in_quant_payload_is_detected_by_the_entropy_decoder() -> None:
-    data, kv = CHUNKS["quant"]
+    data, _ = CHUNKS["quant"]
     rejected = 0
     for pos in range(len(data) - 60, len(data) - 4):  # inside the last streams' words
         bad = bytearray(data)

@@ -34,7 +34,9 @@ def test_lossy_levels_shrink_in_table_order() -> None:
 def test_narrow_residuals_cost_little() -> None:
     """Residuals that are almost all zero must pick a narrow table (a past bug chose the widest)."""
     kv = torch.randn(2, 2, 2, 256, 16) * 1e-3
-    level = Level("coarse", Scheme.QUANT, False, QuantParams(key_step=(50.0,), value_step=(50.0,), exact_tokens=0))
+    level = Level(
+        "coarse", Scheme.QUANT, False, QuantParams(key_step=(50.0,), value_step=(50.0,), exact_tokens=0)
+    )
     data = encode_chunk(kv, level)
     assert 8 * len(data) / kv.numel() < 0.6
     assert decode_chunk(data).abs().max() == 0
@@ -71,8 +73,13 @@ def test_bad_tables_are_rejected_with_a_reason(mutate, message: str) -> None:
 
 
 def test_a_table_without_calibration_uses_the_key_spread() -> None:
-    table = {"format": "cachegen-level-table/1", "levels": [
-        {"name": "lossless", "scheme": "raw"}, {"name": "q", "scheme": "quant", "key_step": 0.5, "value_step": 0.5}]}
+    table = {
+        "format": "cachegen-level-table/1",
+        "levels": [
+            {"name": "lossless", "scheme": "raw"},
+            {"name": "q", "scheme": "quant", "key_step": 0.5, "value_step": 0.5},
+        ],
+    }
     levels = load_level_table(table)
     assert levels[1].quant is not None and levels[1].quant.key_channel_rms is None
     kv = torch.randn(3, 2, 2, 40, 8)

@@ -18,7 +18,9 @@ def _streams(seed: int, n_streams: int = 3, tokens: int = 40, cps: int = 4):
     r[-1, -1, -1] = -32768
     sym = np.where(np.abs(r) <= rans.BIAS, r + rans.BIAS, rans.ESCAPE)
     fam = family.reshape(n_streams, 1, cps)
-    sym = np.where(b.freq[np.broadcast_to(fam, sym.shape), np.minimum(sym, rans.ESCAPE)] == 0, rans.ESCAPE, sym)
+    sym = np.where(
+        b.freq[np.broadcast_to(fam, sym.shape), np.minimum(sym, rans.ESCAPE)] == 0, rans.ESCAPE, sym
+    )
     return b, family, sym.astype(np.uint8), r.astype(np.int16), tokens, cps
 
 
@@ -41,8 +43,21 @@ def _decode(fn, b, family, out, lengths, tokens, cps, n_streams, centers):
     dec = np.zeros((n_streams, tokens, cps), dtype=np.float32)
     status = np.zeros(n_streams, dtype=np.int32)
     steps = np.ones(n_streams * cps, dtype=np.float32)
-    fn(words, offsets, family.astype(np.int32), centers, steps, b.cum, b.freq, b.slot_symbol,
-       tokens, cps, 0, dec, status)
+    fn(
+        words,
+        offsets,
+        family.astype(np.int32),
+        centers,
+        steps,
+        b.cum,
+        b.freq,
+        b.slot_symbol,
+        tokens,
+        cps,
+        0,
+        dec,
+        status,
+    )
     return dec, status
 
 
@@ -50,14 +65,18 @@ def _decode(fn, b, family, out, lengths, tokens, cps, n_streams, centers):
 def test_compiled_and_python_kernels_agree_bit_for_bit(seed: int) -> None:
     b, family, sym, esc, tokens, cps = _streams(seed)
     fast, fast_len = _encode(rans.encode_streams, b, family, _by_channel(sym), _by_channel(esc), tokens, cps)
-    slow, slow_len = _encode(rans.encode_streams.py_func, b, family, _by_channel(sym), _by_channel(esc), tokens, cps)
+    slow, slow_len = _encode(
+        rans.encode_streams.py_func, b, family, _by_channel(sym), _by_channel(esc), tokens, cps
+    )
     assert np.array_equal(fast_len, slow_len)
     for s in range(sym.shape[0]):
         assert np.array_equal(fast[s, : fast_len[s]], slow[s, : slow_len[s]])
     centers = np.zeros(sym.shape[0] * cps, dtype=np.int32)
     # one stream per row: cps channels per stream and head_dim == cps
     d1, st1 = _decode(rans.decode_streams, b, family, fast, fast_len, tokens, cps, sym.shape[0], centers)
-    d2, st2 = _decode(rans.decode_streams.py_func, b, family, fast, fast_len, tokens, cps, sym.shape[0], centers)
+    d2, st2 = _decode(
+        rans.decode_streams.py_func, b, family, fast, fast_len, tokens, cps, sym.shape[0], centers
+    )
     assert not st1.any() and not st2.any()
     assert np.array_equal(d1, d2)
     assert np.array_equal(d1.astype(np.int64), esc.astype(np.int64))
@@ -73,6 +92,8 @@ def test_coded_size_is_within_3_percent_of_the_model_entropy() -> None:
     fam = np.broadcast_to(family.reshape(n_streams, 1, cps), sym.shape)
     sym = np.where(b.freq[fam, np.minimum(sym, rans.ESCAPE)] == 0, rans.ESCAPE, sym).astype(np.uint8)
     ideal = -np.log2(b.freq[fam, sym] / (1 << rans.PROB_BITS)).sum() + 16 * (sym == rans.ESCAPE).sum()
-    _, lengths = _encode(rans.encode_streams, b, family, _by_channel(sym), _by_channel(r.astype(np.int16)), tokens, cps)
+    _, lengths = _encode(
+        rans.encode_streams, b, family, _by_channel(sym), _by_channel(r.astype(np.int16)), tokens, cps
+    )
     coded = 16 * lengths.sum()
     assert coded <= 1.03 * ideal

@@ -13,8 +13,14 @@ from codec.quantized import STEP_TABLE, QuantParams
 ZSTD = Level("zstd", Scheme.ZSTD)
 
 
-def _kv(tokens: int, dtype: torch.dtype = torch.float32, layers: int = 3, heads: int = 2, dim: int = 16,
-        seed: int = 0) -> torch.Tensor:
+def _kv(
+    tokens: int,
+    dtype: torch.dtype = torch.float32,
+    layers: int = 3,
+    heads: int = 2,
+    dim: int = 16,
+    seed: int = 0,
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(layers, 2, heads, tokens, dim, generator=g)
     kv[:, 0] *= torch.linspace(0.2, 8.0, dim)  # key channels with very different spreads, as in real keys
@@ -29,8 +35,10 @@ def test_lossless_round_trip_is_bit_exact(level: Level, dtype: torch.dtype, toke
     kv = _kv(tokens, dtype)
     out = decode_chunk(encode_chunk(kv, level))
     assert out.dtype == dtype and out.shape == kv.shape
-    assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       kv.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert torch.equal(
+        out.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        kv.view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
 
 
 def test_default_levels_are_ordered_and_named() -> None:
@@ -44,7 +52,7 @@ def test_default_levels_are_ordered_and_named() -> None:
 
 def _bound(kv: torch.Tensor, p: QuantParams) -> np.ndarray:
     """Half the step each value was quantized with, recomputed from the level's rule (x 2^(1/16) for the step code)."""
-    x = kv.float().numpy()[:, :, :, p.exact_tokens:]
+    x = kv.float().numpy()[:, :, :, p.exact_tokens :]
     layers = x.shape[0]
     ks = np.resize(np.asarray(p.key_step), layers)[:, None, None]
     vs = np.resize(np.asarray(p.value_step), layers)[:, None, None]
@@ -98,7 +106,10 @@ def test_lossy_rejects_non_finite_input() -> None:
     kv = _kv(8)
     kv[0, 0, 0, 3, 0] = float("nan")
     with pytest.raises(ValueError):
-        encode_chunk(kv, Level("x", Scheme.QUANT, lossless=False, quant=QuantParams(key_step=(1.0,), value_step=(1.0,))))
+        encode_chunk(
+            kv,
+            Level("x", Scheme.QUANT, lossless=False, quant=QuantParams(key_step=(1.0,), value_step=(1.0,))),
+        )
 
 
 def test_step_table_is_powers_of_two_eighths() -> None:
