@@ -1,0 +1,47 @@
+"""The model-free parts of the calibration command: step allocation, chunked round trips, table output."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from app.calibrate import (
+    MULTIPLIER_RANGE,
+    PROBE_KEY_STEP,
+    PROBE_VALUE_STEP,
+    format_table,
+    layer_steps,
+    quant_level,
+    round_trip_chunks,
+)
+from codec import load_level_table
+from codec.levels import default_level_table
+
+
+def test_layer_steps_equalise_distortion_within_the_clip() -> None:
+    sens = np.array([[1e-3, 1e-3], [4e-3, 1e-3], [2.5e-4, 1e-3]])
+    keys, values = layer_steps(sens)
+    # step ~ 1/sqrt(sensitivity): 4x the sensitivity, half the step
+    assert np.isclose(keys[1] / keys[0], 0.5) and np.isclose(keys[2] / keys[0], 2.0)
+    assert np.allclose(values / PROBE_VALUE_STEP, values[0] / PROBE_VALUE_STEP)
+    extreme = layer_steps(np.array([[1e-9, 1.0], [1.0, 1.0]]))[0] / PROBE_KEY_STEP
+    assert extreme.max() <= MULTIPLIER_RANGE[1] and extreme.min() >= MULTIPLIER_RANGE[0]
+
+
+def test_round_trip_chunks_counts_every_byte_and_keeps_the_shape() -> None:
+    rms = np.ones((2, 2, 8))
+    level = quant_level("t", [0.5, 1.0], [0.5], rms)
+    kv = torch.randn(2, 2, 2, 300, 8)
+    out, size = round_trip_chunks(kv, level, chunk_tokens=128)
+    assert out.shape == kv.shape and out.dtype == kv.dtype
+    assert size > 0 and (out - kv).abs().max() < 1.0
+
+
+def test_written_table_is_compact_json_that_loads() -> None:
+    table = default_level_table()
+    text = format_table(table)
+    assert json.loads(text) == table
+    assert len(text.splitlines()) < 400  # one line per layer row, not per number
+    assert load_level_table(json.loads(text))[0].name == "lossless"
