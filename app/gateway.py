@@ -226,6 +226,18 @@ def configure_threads(settings: Settings) -> None:
         torch.set_num_threads(settings.torch_threads)
 
 
+def warm_up_codec(levels: tuple[Level, ...], geometry: KVGeometry) -> None:
+    """Encode and decode a few tokens at every level, so numba's compile (or cache load)
+    happens at start-up, not in the first request that needs it."""
+    import torch
+
+    from codec import decode_chunk, encode_chunk
+
+    sample = torch.randn(geometry.chunk_shape(16), generator=torch.Generator().manual_seed(0))
+    for level in levels:
+        decode_chunk(encode_chunk(sample, level))
+
+
 def build_gateway(settings: Settings) -> Gateway:
     configure_threads(settings)
     loaded = load_model(
@@ -247,6 +259,7 @@ def build_gateway(settings: Settings) -> Gateway:
     loader = PrefixLoader(store, geometry, settings.chunk_size, io_pool)
     metrics = Metrics()
     levels = load_levels(settings)
+    warm_up_codec(levels, geometry)
     write_back = None
     if settings.write_back:
         write_back = WriteBack(

