@@ -12,6 +12,7 @@ import torch
 import zstandard
 
 from codec.errors import CodecError
+from codec.zstd_frame import decompress_exact
 
 _ZSTD_LEVEL = 1
 
@@ -42,11 +43,6 @@ def zstd_encode(kv: torch.Tensor) -> bytes:
 def zstd_decode(payload: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     expected = itemsize * int(np.prod(shape))
-    try:
-        planes = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected)
-    except zstandard.ZstdError as exc:
-        raise CodecError(f"zstd payload is corrupt: {exc}") from exc
-    if len(planes) != expected:
-        raise CodecError("zstd payload size does not match the header")
+    planes = decompress_exact(payload, expected, "zstd payload")
     raw = np.frombuffer(planes, dtype=np.uint8).reshape(itemsize, -1).T.copy()
     return from_raw(raw.tobytes(), dtype, shape)

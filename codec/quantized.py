@@ -27,6 +27,7 @@ from codec import rans
 from codec.entropy_model import FAMILIES, bank
 from codec.errors import CodecError
 from codec.quantize_kernel import quantize_rows
+from codec.zstd_frame import decompress_exact
 
 STEP_CODES = 256
 STEP_TABLE = (2.0 ** ((np.arange(STEP_CODES, dtype=np.float64) - 128.0) / 8.0)).astype(np.float32)
@@ -136,12 +137,7 @@ def _pack_side(codes: np.ndarray, family: np.ndarray, center: np.ndarray) -> byt
 
 
 def _unpack_side(data: memoryview, channels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=4 * channels)
-    except zstandard.ZstdError as exc:
-        raise CodecError(f"side info is corrupt: {exc}") from None
-    if len(raw) != 4 * channels:
-        raise CodecError("side info has the wrong size")
+    raw = decompress_exact(data, 4 * channels, "side info")
     arr = np.frombuffer(raw, dtype=np.uint8)
     codes, family = arr[:channels], arr[channels : 2 * channels]
     center = arr[2 * channels : 3 * channels].astype(np.uint16) | (arr[3 * channels :].astype(np.uint16) << 8)
