@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from app.gateway import Gateway, collect, observed_events, usage
 from app.pipeline import Finished, GenerationJob, PromptDone, TokenEvent
 from app.protocol import ChatCompletionRequest, new_id, now
-from app.sse import sse, stream_response, usage_event
+from app.sse import StreamFramer, stream_response
 from engine.sampling import SamplingParams
 
 
@@ -63,19 +63,10 @@ async def chat_completion(gateway: Gateway, request: ChatCompletionRequest) -> J
 
 
 async def _stream(gateway: Gateway, job: GenerationJob, include_usage: bool) -> AsyncIterator[str]:
-    chunk_id, created = new_id("chatcmpl"), now()
+    framer = StreamFramer("chat.completion.chunk", "chatcmpl", gateway.model_name)
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        return sse(
-            {
-                "id": chunk_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": gateway.model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-                **extra,
-            }
-        )
+        return framer.choice({"delta": delta, "logprobs": None, "finish_reason": finish}, **extra)
 
     prompt: PromptDone | None = None
     async for event in observed_events(gateway, "chat", job):
@@ -91,4 +82,4 @@ async def _stream(gateway: Gateway, job: GenerationJob, include_usage: bool) -> 
             yield chunk({}, event.reason)
             if include_usage and prompt is not None:
                 u = usage(len(job.prompt_ids), event.completion_tokens, prompt.kv_info.cached_tokens)
-                yield usage_event(chunk_id, "chat.completion.chunk", created, gateway.model_name, u.model_dump())
+                yield framer.usage(u.model_dump())

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from app.gateway import Gateway, collect, observed_events, usage
 from app.pipeline import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
 from app.protocol import CompletionRequest, new_id, now
-from app.sse import sse, stream_response, usage_event
+from app.sse import StreamFramer, stream_response
 from engine.sampling import SamplingParams
 
 
@@ -103,19 +103,10 @@ async def completion(gateway: Gateway, request: CompletionRequest) -> JSONRespon
 async def _stream(
     gateway: Gateway, request: CompletionRequest, job: GenerationJob, include_usage: bool
 ) -> AsyncIterator[str]:
-    chunk_id, created = new_id("cmpl"), now()
+    framer = StreamFramer("text_completion", "cmpl", gateway.model_name)
 
     def chunk(text: str, logprobs: dict | None = None, finish: str | None = None, **extra: Any) -> str:
-        return sse(
-            {
-                "id": chunk_id,
-                "object": "text_completion",
-                "created": created,
-                "model": gateway.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-                **extra,
-            }
-        )
+        return framer.choice({"text": text, "logprobs": logprobs, "finish_reason": finish}, **extra)
 
     prompt: PromptDone | None = None
     offset = 0
@@ -146,4 +137,4 @@ async def _stream(
             yield chunk(event.text_tail, None, event.reason)
             if include_usage and prompt is not None:
                 u = usage(len(job.prompt_ids), event.completion_tokens, prompt.kv_info.cached_tokens)
-                yield usage_event(chunk_id, "text_completion", created, gateway.model_name, u.model_dump())
+                yield framer.usage(u.model_dump())

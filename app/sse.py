@@ -9,6 +9,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from app.errors import error_body, to_api_error
+from app.protocol import new_id, now
 
 DONE = "data: [DONE]\n\n"
 
@@ -17,9 +18,18 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def usage_event(chunk_id: str, obj: str, created: int, model: str, usage: dict[str, Any]) -> str:
-    """The closing chunk of ``stream_options.include_usage``: no choices, just usage."""
-    return sse({"id": chunk_id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage})
+class StreamFramer:
+    """The envelope every chunk of one streamed response shares: id, object, created, model."""
+
+    def __init__(self, obj: str, id_prefix: str, model: str) -> None:
+        self.head = {"id": new_id(id_prefix), "object": obj, "created": now(), "model": model}
+
+    def choice(self, choice: dict[str, Any], **extra: Any) -> str:
+        return sse({**self.head, "choices": [{"index": 0, **choice}], **extra})
+
+    def usage(self, usage: dict[str, Any]) -> str:
+        """The closing chunk of ``stream_options.include_usage``: no choices, just usage."""
+        return sse({**self.head, "choices": [], "usage": usage})
 
 
 def stream_response(chunks: AsyncIterator[str], on_error: Callable[[Exception], None]) -> StreamingResponse:

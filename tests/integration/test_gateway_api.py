@@ -59,7 +59,9 @@ def test_streaming_chat_matches_non_streaming(client):
         temperature=0,
     )
     full = client.chat.completions.create(**kwargs).choices[0].message.content
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
@@ -169,3 +171,22 @@ def test_metrics_exposes_ttft_and_prefix_cache(gateway, client, encoded_context)
         assert name in text
     hits = [line for line in text.splitlines() if line.startswith("cachegen:prefix_cache_hits_total")]
     assert float(hits[0].split()[-1]) >= encoded_context["cached_tokens"]
+
+
+def test_streaming_completions_match_non_streaming(client):
+    kwargs = dict(
+        model=MODEL_NAME, prompt="The three primary colours are", max_tokens=12, temperature=0, logprobs=1
+    )
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    streamed_lp = [
+        lp
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for lp in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed_lp == pytest.approx(full.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
