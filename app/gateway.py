@@ -12,11 +12,12 @@ from typing import Any
 from app.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from app.metrics import Metrics
 from app.pipeline import Finished, GenerationJob, Pipeline, PromptDone, TokenEvent
-from app.protocol import ChatMessage, PromptTokensDetails, Usage
+from app.protocol import ChatMessage, PromptTokensDetails, SamplingFields, Usage
 from app.settings import Settings
 from app.worker import ModelWorker
 from codec import DEFAULT_LEVELS, Level, level_by_name
 from engine import ModelRunner, load_model
+from engine.sampling import SamplingParams
 from scheduler.contexts import ContextStore
 from scheduler.geometry import KVGeometry
 from scheduler.loader import PrefixLoader
@@ -150,6 +151,12 @@ class Gateway:
         if used_store:
             self.metrics.prefix_queries.inc(prompt_len)
             self.metrics.prefix_hits.inc(cached)
+
+
+def sampling_params(request: SamplingFields) -> SamplingParams:
+    return SamplingParams(
+        temperature=request.temperature, top_p=request.top_p, seed=request.seed, ignore_eos=request.ignore_eos
+    )
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Usage:

@@ -7,11 +7,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.gateway import Gateway, collect, observed_events, usage
+from app.gateway import Gateway, collect, observed_events, sampling_params, usage
 from app.pipeline import Finished, GenerationJob, PromptDone, TokenEvent
 from app.protocol import ChatCompletionRequest, new_id, now
 from app.sse import StreamFramer, stream_response
-from engine.sampling import SamplingParams
 
 
 def _job(gateway: Gateway, request: ChatCompletionRequest) -> GenerationJob:
@@ -22,12 +21,7 @@ def _job(gateway: Gateway, request: ChatCompletionRequest) -> GenerationJob:
     return GenerationJob(
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
-        sampling=SamplingParams(
-            temperature=request.temperature,
-            top_p=request.top_p,
-            seed=request.seed,
-            ignore_eos=request.ignore_eos,
-        ),
+        sampling=sampling_params(request),
         stops=request.stop_list(),
         levels=levels,
     )
