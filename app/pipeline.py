@@ -85,6 +85,7 @@ class Pipeline:
             job.prompt_ids[cached:], load.kv, want_prompt_logits=job.prompt_logprobs is not None
         )
         t2 = time.perf_counter()
+        load.kv = None  # the cache made its own copy; the event below must not pin the decoded tensors
         if self.write_back is not None and len(keys) > len(load.chunks):
             self.write_back.submit(keys, state.cache, first=len(load.chunks))
         prompt_lp = None
