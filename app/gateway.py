@@ -12,7 +12,7 @@ from typing import Any
 from app.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from app.metrics import Metrics
 from app.pipeline import Finished, GenerationJob, Pipeline, PromptDone, TokenEvent
-from app.protocol import ChatMessage, PromptTokensDetails, SamplingFields, Usage
+from app.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, PromptTokensDetails, Usage
 from app.settings import Settings
 from app.worker import ModelWorker
 from codec import DEFAULT_LEVELS, Level, level_by_name
@@ -26,6 +26,8 @@ from scheduler.write_back import WriteBack
 from storage import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
+
+GenerationRequest = ChatCompletionRequest | CompletionRequest
 
 
 def load_levels(settings: Settings) -> tuple[Level, ...]:
@@ -84,7 +86,7 @@ class Gateway:
             known = ", ".join(lv.name for lv in self.levels)
             raise InvalidRequest(f"unknown level in {names}; known: {known}", param="levels") from None
 
-    def token_budget(self, prompt_len: int, requested: int | None, default: int | None = None) -> int:
+    def token_budget(self, prompt_len: int, requested: int | None) -> int:
         """max_tokens after the context-window checks."""
         if prompt_len >= self.max_context:
             raise ContextLengthExceeded(
@@ -94,7 +96,7 @@ class Gateway:
             )
         room = self.max_context - prompt_len
         if requested is None:
-            return min(room, default if default is not None else self.settings.default_max_tokens)
+            return min(room, self.settings.default_max_tokens)
         if requested > room:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {self.max_context} tokens; the prompt has "
@@ -128,6 +130,22 @@ class Gateway:
 
     # -- running jobs -----------------------------------------------------------------------------
 
+    def job(self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None, **extra: Any) -> GenerationJob:
+        """A generation job after the checks every endpoint shares (kv_quality, window)."""
+        return GenerationJob(
+            prompt_ids=prompt_ids,
+            max_tokens=self.token_budget(len(prompt_ids), max_tokens),
+            sampling=SamplingParams(
+                temperature=request.temperature,
+                top_p=request.top_p,
+                seed=request.seed,
+                ignore_eos=request.ignore_eos,
+            ),
+            stops=request.stop_list(),
+            levels=self.levels_for(request.kv_quality, request.kv_cache),
+            **extra,
+        )
+
     def events(self, job: GenerationJob) -> AsyncIterator[Any]:
         return self.worker.stream(lambda emit, cancel: self.pipeline.run(job, emit, cancel))
 
@@ -136,11 +154,11 @@ class Gateway:
         if prompt is not None:
             info = prompt.kv_info
             m.prompt_tokens.inc(info.recomputed_tokens)
-            for fault in prompt.faults:
+            for fault in info.faults:
                 m.kv_store_faults.labels(fault).inc()
-            if prompt.load.chunks:
+            if info.chunks:
                 m.kv_load_seconds.observe(info.load_ms / 1000)
-                for chunk in prompt.load.chunks:
+                for chunk in info.chunks:
                     m.kv_bytes_loaded.labels(chunk.level).inc(chunk.bytes)
         if finished is not None:
             m.generation_tokens.inc(finished.completion_tokens)
@@ -151,12 +169,6 @@ class Gateway:
         if used_store:
             self.metrics.prefix_queries.inc(prompt_len)
             self.metrics.prefix_hits.inc(cached)
-
-
-def sampling_params(request: SamplingFields) -> SamplingParams:
-    return SamplingParams(
-        temperature=request.temperature, top_p=request.top_p, seed=request.seed, ignore_eos=request.ignore_eos
-    )
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Usage:

@@ -48,8 +48,6 @@ class TokenLogprob:
 class PromptDone:
     kv_info: KVCacheInfo
     prompt_logprobs: list[TokenLogprob] | None
-    faults: list[str]
-    load: PrefixLoad
 
 
 @dataclass
@@ -85,7 +83,7 @@ class Pipeline:
             job.prompt_ids[cached:], load.kv, want_prompt_logits=job.prompt_logprobs is not None
         )
         t2 = time.perf_counter()
-        load.kv = None  # the cache made its own copy; the event below must not pin the decoded tensors
+        load.kv = None  # the cache made its own copy: free the decoded tensors before decoding
         if self.write_back is not None and len(keys) > len(load.chunks):
             self.write_back.submit(keys, state.cache, first=len(load.chunks))
         prompt_lp = None
@@ -101,7 +99,7 @@ class Pipeline:
             prefill_ms=round((t2 - t1) * 1000, 2),
             faults=load.faults,
         )
-        emit(PromptDone(info, prompt_lp, load.faults, load))
+        emit(PromptDone(info, prompt_lp))
 
         text = IncrementalText(tokenizer, job.stops)
         produced = 0

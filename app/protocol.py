@@ -64,6 +64,10 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []

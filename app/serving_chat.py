@@ -7,31 +7,18 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.gateway import Gateway, collect, observed_events, sampling_params, usage
+from app.gateway import Gateway, collect, observed_events, usage
 from app.pipeline import Finished, GenerationJob, PromptDone, TokenEvent
 from app.protocol import ChatCompletionRequest, new_id, now
 from app.sse import StreamFramer, stream_response
 
 
-def _job(gateway: Gateway, request: ChatCompletionRequest) -> GenerationJob:
-    gateway.check_model(request.model)
-    levels = gateway.levels_for(request.kv_quality, request.kv_cache)
-    prompt_ids = gateway.chat_token_ids(request.messages, add_generation_prompt=True)
-    max_tokens = gateway.token_budget(len(prompt_ids), request.requested_max_tokens())
-    return GenerationJob(
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        sampling=sampling_params(request),
-        stops=request.stop_list(),
-        levels=levels,
-    )
-
-
 async def chat_completion(gateway: Gateway, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
-    job = _job(gateway, request)
+    gateway.check_model(request.model)
+    prompt_ids = gateway.chat_token_ids(request.messages, add_generation_prompt=True)
+    job = gateway.job(request, prompt_ids, request.requested_max_tokens())
     if request.stream:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        chunks = _stream(gateway, job, include_usage)
+        chunks = _stream(gateway, job, request.include_usage)
         return stream_response(chunks, on_error=lambda exc: gateway.metrics.http_errors.labels("stream").inc())
 
     out = await collect(gateway, "chat", job)

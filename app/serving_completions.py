@@ -7,34 +7,22 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.gateway import Gateway, collect, observed_events, sampling_params, usage
+from app.errors import InvalidRequest
+from app.gateway import Gateway, collect, observed_events, usage
 from app.pipeline import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
 from app.protocol import CompletionRequest, new_id, now
 from app.sse import StreamFramer, stream_response
 
 
-def _job(gateway: Gateway, request: CompletionRequest) -> GenerationJob:
-    gateway.check_model(request.model)
-    levels = gateway.levels_for(request.kv_quality, request.kv_cache)
+def _prompt_ids(gateway: Gateway, request: CompletionRequest) -> list[int]:
     if isinstance(request.prompt, str):
-        prompt_ids = gateway.text_token_ids(request.prompt)
-        if not prompt_ids:
-            from app.errors import InvalidRequest
-
+        ids = gateway.text_token_ids(request.prompt)
+        if not ids:
             raise InvalidRequest("prompt encodes to no tokens", param="prompt")
-    else:
-        prompt_ids = list(request.prompt)
-        gateway.check_token_ids(prompt_ids, "prompt")
-    max_tokens = gateway.token_budget(len(prompt_ids), request.max_tokens)
-    return GenerationJob(
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        sampling=sampling_params(request),
-        stops=request.stop_list(),
-        levels=levels,
-        prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
-        logprobs=request.logprobs,
-    )
+        return ids
+    ids = list(request.prompt)
+    gateway.check_token_ids(ids, "prompt")
+    return ids
 
 
 class _LogprobsBuilder:
@@ -59,11 +47,17 @@ def _prompt_text(gateway: Gateway, request: CompletionRequest, job: GenerationJo
 
 
 async def completion(gateway: Gateway, request: CompletionRequest) -> JSONResponse | StreamingResponse:
-    job = _job(gateway, request)
+    gateway.check_model(request.model)
+    job = gateway.job(
+        request,
+        _prompt_ids(gateway, request),
+        request.max_tokens,
+        prompt_logprobs=request.logprobs if request.echo else None,
+        logprobs=request.logprobs,
+    )
     if request.stream:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
         return stream_response(
-            _stream(gateway, request, job, include_usage),
+            _stream(gateway, request, job, request.include_usage),
             on_error=lambda exc: gateway.metrics.http_errors.labels("stream").inc(),
         )
 

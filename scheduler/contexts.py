@@ -7,6 +7,7 @@ never listed; its orphaned chunks still serve as a prefix cache.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from codec import Level, encode_chunk
 from scheduler.errors import ContextNotFound, ManifestError
 from scheduler.layout import MANIFEST_PREFIX, chunk_object_key, context_id_from_manifest_key, manifest_key
 from scheduler.manifest import Manifest
-from scheduler.prefix import Fingerprint, chunk_keys, context_id
+from scheduler.prefix import CONTEXT_ID_PATTERN, Fingerprint, chunk_keys, context_id
 from storage import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -94,11 +95,11 @@ class ContextStore:
         return self.store.head(manifest_key(ctx_id)) is not None
 
     def get(self, ctx_id: str) -> Manifest:
-        if context_id_from_manifest_key(manifest_key(ctx_id)) != ctx_id or "/" in ctx_id:
+        if not re.fullmatch(CONTEXT_ID_PATTERN, ctx_id):
             raise ContextNotFound(ctx_id)
         try:
             data = self.store.get(manifest_key(ctx_id))
-        except (ObjectNotFound, ValueError):
+        except ObjectNotFound:
             raise ContextNotFound(ctx_id) from None
         return Manifest.from_bytes(data)
 

@@ -13,6 +13,3 @@ class KVGeometry:
 
     def chunk_shape(self, tokens: int) -> tuple[int, int, int, int, int]:
         return (self.layers, 2, self.kv_heads, tokens, self.head_dim)
-
-    def bytes_per_token(self, itemsize: int) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * itemsize

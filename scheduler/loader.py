@@ -11,7 +11,6 @@ caller recomputes the rest from text, and the fault is reported, not served.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,16 +40,10 @@ class PrefixLoad:
     kv: torch.Tensor | None  # (layers, 2, kv_heads, tokens, head_dim), CPU
     chunks: list[LoadedChunk] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)  # one short kind per fault, for metrics
-    fetch_seconds: float = 0.0
-    decode_seconds: float = 0.0
 
     @property
     def tokens(self) -> int:
         return sum(c.tokens for c in self.chunks)
-
-    @property
-    def bytes(self) -> int:
-        return sum(c.bytes for c in self.chunks)
 
 
 class PrefixLoader:
@@ -71,7 +64,6 @@ class PrefixLoader:
         result = PrefixLoad(kv=None)
         if not keys or not levels:
             return result
-        started = time.perf_counter()
         try:
             level = self.probe(keys[0], levels)
         except StorageError as exc:
@@ -79,22 +71,14 @@ class PrefixLoader:
             result.faults.append("store_unavailable")
             level = None
         if level is None:
-            result.fetch_seconds = time.perf_counter() - started
             return result
 
         futures = [self.pool.submit(self.store.get, chunk_object_key(k, level.name)) for k in keys]
         parts: list[torch.Tensor] = []
-        fetch_wait = decode_time = 0.0
         try:
             for index, future in enumerate(futures):
-                t0 = time.perf_counter()
                 data = self._fetched(future, index, result)
-                fetch_wait += time.perf_counter() - t0
-                if data is None:
-                    break
-                t0 = time.perf_counter()
-                kv = self._decoded(data, index, result)
-                decode_time += time.perf_counter() - t0
+                kv = None if data is None else self._decoded(data, index, result)
                 if kv is None:
                     break
                 parts.append(kv)
@@ -103,11 +87,7 @@ class PrefixLoader:
             for future in futures:
                 future.cancel()
         if parts:
-            t0 = time.perf_counter()
             result.kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
-            decode_time += time.perf_counter() - t0
-        result.fetch_seconds = fetch_wait
-        result.decode_seconds = decode_time
         return result
 
     def probe(self, first_key: str, levels: Sequence[Level]) -> Level | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scheduler.errors import ManifestError
+from scheduler.prefix import CONTEXT_ID_PATTERN
 
 MANIFEST_VERSION = 1
 
@@ -15,7 +16,7 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     version: int = Field(MANIFEST_VERSION, ge=1, le=MANIFEST_VERSION)
-    id: str = Field(pattern=r"^ctx-[0-9a-f]{32}$")
+    id: str = Field(pattern=CONTEXT_ID_PATTERN)
     model: str
     fingerprint: str = Field(pattern=_HEX64)
     chunk_size: int = Field(gt=0)

@@ -83,6 +83,9 @@ def chunk_keys(fingerprint: Fingerprint, token_ids: Sequence[int], chunk_size: i
     return keys
 
 
+CONTEXT_ID_PATTERN = r"^ctx-[0-9a-f]{32}$"
+
+
 def context_id(fingerprint: Fingerprint, token_ids: Sequence[int]) -> str:
     """Same model and same tokens give the same id, in any process."""
     digest = hashlib.sha256(fingerprint.digest + b"context" + _token_bytes(token_ids)).hexdigest()
