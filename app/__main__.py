@@ -28,7 +28,9 @@ def serve(argv: list[str]) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = create_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=settings.log_level, timeout_graceful_shutdown=5
+    )
     return 0
 
 

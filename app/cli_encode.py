@@ -34,7 +34,9 @@ def main(argv: list[str]) -> int:
             failed += 1
             continue
         if args.as_chat_system:
-            ids = gateway.chat_token_ids([ChatMessage(role="system", content=text)], add_generation_prompt=False)
+            ids = gateway.chat_token_ids(
+                [ChatMessage(role="system", content=text)], add_generation_prompt=False
+            )
         else:
             ids = gateway.text_token_ids(text)
         if not ids or len(ids) >= gateway.max_context:

@@ -77,7 +77,9 @@ class Gateway:
             return [level_by_name(quality, self.levels)]
         except KeyError:
             names = ", ".join(["auto", *(lv.name for lv in self.levels)])
-            raise InvalidRequest(f"unknown kv_quality {quality!r}; use one of: {names}", param="kv_quality") from None
+            raise InvalidRequest(
+                f"unknown kv_quality {quality!r}; use one of: {names}", param="kv_quality"
+            ) from None
 
     def encode_levels(self, names: list[str] | None) -> list[Level]:
         try:
@@ -130,7 +132,9 @@ class Gateway:
 
     # -- running jobs -----------------------------------------------------------------------------
 
-    def job(self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None, **extra: Any) -> GenerationJob:
+    def job(
+        self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None, **extra: Any
+    ) -> GenerationJob:
         """A generation job after the checks every endpoint shares (kv_quality, window)."""
         return GenerationJob(
             prompt_ids=prompt_ids,
@@ -149,7 +153,9 @@ class Gateway:
     def events(self, job: GenerationJob) -> AsyncIterator[Any]:
         return self.worker.stream(lambda emit, cancel: self.pipeline.run(job, emit, cancel))
 
-    def observe(self, endpoint: str, started: float, prompt: PromptDone | None, finished: Finished | None) -> None:
+    def observe(
+        self, endpoint: str, started: float, prompt: PromptDone | None, finished: Finished | None
+    ) -> None:
         m = self.metrics
         if prompt is not None:
             info = prompt.kv_info
@@ -260,7 +266,10 @@ def warm_up_codec(levels: tuple[Level, ...], geometry: KVGeometry) -> None:
 def build_gateway(settings: Settings) -> Gateway:
     configure_threads(settings)
     loaded = load_model(
-        settings.model, device=settings.device, cache_dir=settings.cache_dir, served_name=settings.served_model_name
+        settings.model,
+        device=settings.device,
+        cache_dir=settings.cache_dir,
+        served_name=settings.served_model_name,
     )
     runner = ModelRunner(loaded)
     tokenizer = loaded.tokenizer

@@ -42,13 +42,19 @@ class Metrics:
             "cachegen:kv_bytes_loaded", "Encoded KV bytes fetched from the store.", ["level"], registry=r
         )
         self.kv_load_seconds = Histogram(
-            "cachegen:kv_load_seconds", "Fetch and decode time of a prefix.", registry=r, buckets=_TTFT_BUCKETS
+            "cachegen:kv_load_seconds",
+            "Fetch and decode time of a prefix.",
+            registry=r,
+            buckets=_TTFT_BUCKETS,
         )
         self.kv_store_faults = Counter(
             "cachegen:kv_store_faults", "Stored KV that could not be used (recomputed).", ["kind"], registry=r
         )
         self.write_backs = Counter(
-            "cachegen:kv_write_backs", "Background stores of a request's uncached chunks.", ["outcome"], registry=r
+            "cachegen:kv_write_backs",
+            "Background stores of a request's uncached chunks.",
+            ["outcome"],
+            registry=r,
         )
         self.contexts_encoded = Counter("cachegen:contexts_encoded", "Contexts pre-encoded.", registry=r)
         self.running = Gauge("cachegen:num_requests_running", "Requests on the model.", registry=r)

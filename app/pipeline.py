@@ -132,7 +132,9 @@ class Pipeline:
             top=self._top(logprobs, top),
         )
 
-    def _prompt_logprobs(self, job: GenerationJob, cached: int, logits: torch.Tensor | None) -> list[TokenLogprob]:
+    def _prompt_logprobs(
+        self, job: GenerationJob, cached: int, logits: torch.Tensor | None
+    ) -> list[TokenLogprob]:
         """Logprobs of prompt tokens; None where no logits exist (the first token, cached tokens)."""
         assert logits is not None and job.prompt_logprobs is not None
         logprobs = torch.log_softmax(logits, dim=-1)

@@ -23,7 +23,9 @@ router = APIRouter()
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, gateway: GatewayDep) -> JSONResponse | StreamingResponse:
+async def chat_completions(
+    body: ChatCompletionRequest, gateway: GatewayDep
+) -> JSONResponse | StreamingResponse:
     return await serving_chat.chat_completion(gateway, body)
 
 

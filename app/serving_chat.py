@@ -13,13 +13,17 @@ from app.protocol import ChatCompletionRequest, new_id, now
 from app.sse import StreamFramer, stream_response
 
 
-async def chat_completion(gateway: Gateway, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+async def chat_completion(
+    gateway: Gateway, request: ChatCompletionRequest
+) -> JSONResponse | StreamingResponse:
     gateway.check_model(request.model)
     prompt_ids = gateway.chat_token_ids(request.messages, add_generation_prompt=True)
     job = gateway.job(request, prompt_ids, request.requested_max_tokens())
     if request.stream:
         chunks = _stream(gateway, job, request.include_usage)
-        return stream_response(chunks, on_error=lambda exc: gateway.metrics.http_errors.labels("stream").inc())
+        return stream_response(
+            chunks, on_error=lambda exc: gateway.metrics.http_errors.labels("stream").inc()
+        )
 
     out = await collect(gateway, "chat", job)
     body = {

@@ -30,7 +30,12 @@ class _LogprobsBuilder:
 
     def __init__(self, offset: int = 0) -> None:
         self.offset = offset
-        self.body: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.body: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
 
     def add(self, entry: TokenLogprob) -> None:
         self.body["tokens"].append(entry.token)

@@ -35,7 +35,9 @@ class Settings(BaseSettings):
     )
 
     # KV store
-    store: str = Field("", description="file:///dir, memory:// or s3://bucket/prefix; default: a dir in cache_dir")
+    store: str = Field(
+        "", description="file:///dir, memory:// or s3://bucket/prefix; default: a dir in cache_dir"
+    )
     store_cache_bytes: int = Field(
         512 * 2**20, ge=0, description="in-memory LRU in front of the store, bytes (0: off)"
     )

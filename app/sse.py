@@ -48,5 +48,7 @@ def stream_response(chunks: AsyncIterator[str], on_error: Callable[[Exception], 
         yield DONE
 
     return StreamingResponse(
-        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        body(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

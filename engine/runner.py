@@ -33,7 +33,9 @@ class ModelRunner:
         config = self.model.config
         self.num_layers: int = config.num_hidden_layers
         self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim: int = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self.max_context: int = int(getattr(config, "max_position_embeddings", 2048))
         self.eos_token_ids: frozenset[int] = _eos_ids(loaded)
 

@@ -60,7 +60,9 @@ class ContextStore:
             for level in levels:
                 data = encode_chunk(chunk, level)
                 level_bytes[level.name] += len(data)
-                uploads.append(self.pool.submit(self.store.put, chunk_object_key(keys[index], level.name), data))
+                uploads.append(
+                    self.pool.submit(self.store.put, chunk_object_key(keys[index], level.name), data)
+                )
         for upload in uploads:
             upload.result()  # re-raises the first StorageError
         return level_bytes

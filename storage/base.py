@@ -73,7 +73,7 @@ class ObjectStore(abc.ABC):
     def exists_many(self, keys: Iterable[str]) -> list[bool]:
         return [self.head(k) is not None for k in keys]
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release connections; the default has nothing to release."""
 
     def __repr__(self) -> str:

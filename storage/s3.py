@@ -25,12 +25,14 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
-    ConnectionError as BotoConnectionError,
     HTTPClientError,
     IncompleteReadError,
     NoCredentialsError,
     PartialCredentialsError,
     ResponseStreamingError,
+)
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
 )
 
 from storage.base import ObjectInfo, ObjectStore, check_key
@@ -120,7 +122,9 @@ class S3Store(ObjectStore):
         self.bucket = bucket
         self.prefix = prefix
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
-        region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or DEFAULT_REGION
+        region = (
+            region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or DEFAULT_REGION
+        )
         config = Config(
             region_name=region,
             s3={"addressing_style": "path"},
@@ -175,12 +179,16 @@ class S3Store(ObjectStore):
             if code == "NoSuchBucket":
                 return StorageUnavailable(f"{where}: bucket {self.bucket!r} does not exist{at}")
             if code in _REFUSED_CODES or status == 403:
-                return StorageUnavailable(f"{where}: access refused{at} ({code}: {message}); check credentials")
+                return StorageUnavailable(
+                    f"{where}: access refused{at} ({code}: {message}); check credentials"
+                )
             if status is not None and (status >= 500 or status == 429):
                 return StorageUnavailable(f"{where}: server error{at} after retries ({code}: {message})")
             return StorageError(f"{where}: {code}: {message}")
         if isinstance(exc, NoCredentialsError | PartialCredentialsError):
-            return StorageUnavailable(f"{where}: no usable credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)")
+            return StorageUnavailable(
+                f"{where}: no usable credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
+            )
         if isinstance(exc, _NETWORK_ERRORS):
             return StorageUnavailable(f"{where}: cannot reach{at}: {exc}")
         if isinstance(exc, BotoCoreError):

@@ -197,4 +197,3 @@ class LRUCacheStore(ObjectStore):
 
     def __repr__(self) -> str:
         return f"LRUCacheStore({self.backend!r}, capacity_bytes={self.capacity_bytes})"
-
