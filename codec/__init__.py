@@ -13,6 +13,7 @@ from codec.levels import (
     LevelTableError,
     Scheme,
     level_by_name,
+    level_digest,
     load_level_table,
 )
 
@@ -27,5 +28,6 @@ __all__ = [
     "decode_chunk",
     "encode_chunk",
     "level_by_name",
+    "level_digest",
     "load_level_table",
 ]

@@ -9,6 +9,7 @@ this file and written by ``python -m app calibrate``.
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -139,6 +140,21 @@ def default_level_table() -> dict[str, Any]:
 
 
 DEFAULT_LEVELS: tuple[Level, ...] = load_level_table(default_level_table())
+
+
+def level_digest(level: Level) -> str:
+    """16 hex digits that change whenever the level would encode a chunk differently.
+
+    Stored object names carry it, so gateways whose tables give one name
+    different parameters never read each other's chunks under that name.
+    """
+    h = hashlib.sha256(f"{level.scheme.name}".encode())
+    q = level.quant
+    if q is not None:
+        h.update(repr((q.key_step, q.value_step, q.exact_tokens, q.groups)).encode())
+        if q.key_channel_rms is not None:
+            h.update(np.ascontiguousarray(q.key_channel_rms, dtype=np.float64).tobytes())
+    return h.hexdigest()[:16]
 
 
 def level_by_name(name: str, levels: tuple[Level, ...] = DEFAULT_LEVELS) -> Level:
