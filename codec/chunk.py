@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from codec import container, lossless, quantized
+from codec import container, int8, lossless, quantized
 from codec.dtypes import code_dtype, dtype_code
 from codec.errors import CodecError
 from codec.levels import Level, Scheme
@@ -17,6 +17,8 @@ from codec.levels import Level, Scheme
 def encode_chunk(kv: torch.Tensor, level: Level) -> bytes:
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"KV chunk must be (layers, 2, kv_heads, tokens, head_dim), got {tuple(kv.shape)}")
+    if level.cast is not None:
+        kv = lossless.cast(kv, level.cast)
     if level.scheme is Scheme.RAW:
         payload = lossless.raw_bytes(kv)
     elif level.scheme is Scheme.ZSTD:
@@ -25,6 +27,8 @@ def encode_chunk(kv: torch.Tensor, level: Level) -> bytes:
         if level.quant is None:
             raise ValueError(f"level {level.name!r} has no quantization parameters")
         payload = quantized.encode(kv, level.quant)
+    elif level.scheme is Scheme.INT8:
+        payload = int8.encode(kv)
     else:  # pragma: no cover - every scheme is handled above
         raise ValueError(f"no encoder for scheme {level.scheme}")
     layers, _, heads, tokens, head_dim = kv.shape
@@ -43,8 +47,9 @@ def encode_chunk(kv: torch.Tensor, level: Level) -> bytes:
 def decode_chunk(data: bytes | memoryview) -> torch.Tensor:
     """The KV tensor of a chunk, on the CPU.
 
-    Lossless schemes return the exact dtype and bits they were given; the lossy
-    scheme returns float32 (the caller casts to the model's dtype).
+    Lossless schemes return the exact dtype and bits they were given (a casting
+    level's dtype: float16 for ``fp16``); the lossy schemes return float32 (the
+    caller casts to the model's dtype).
     """
     header, payload = container.unpack(data)
     dtype = code_dtype(header.dtype)
@@ -58,4 +63,6 @@ def decode_chunk(data: bytes | memoryview) -> torch.Tensor:
         return lossless.zstd_decode(payload, dtype, header.shape)
     if scheme is Scheme.QUANT:
         return quantized.decode(payload, header.shape)
+    if scheme is Scheme.INT8:
+        return int8.decode(payload, header.shape)
     raise CodecError(f"no decoder for scheme {scheme.name}")  # pragma: no cover

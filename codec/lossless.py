@@ -17,6 +17,26 @@ from codec.zstd_frame import decompress_exact
 _ZSTD_LEVEL = 1
 
 
+def cast(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``kv`` in ``dtype``; refuses values that the cast would turn into infinities.
+
+    A level that casts (the fp16 baseline) has no scale to absorb a large value,
+    and an infinity in a key poisons every attention score that reads it: better
+    an error that points at a scaled lossy level than a silently broken cache.
+    """
+    out = kv.detach().to(dtype)
+    # amax is the cheap test (NaN and inf propagate into it); the mask only when it fails.
+    if out.dtype != kv.dtype and out.numel() and not torch.isfinite(out.abs().amax()):
+        overflow = torch.isinf(out) & torch.isfinite(kv)
+        if overflow.any():
+            largest = kv[overflow].abs().max().item()
+            raise ValueError(
+                f"KV value {largest:g} is beyond {dtype}'s range ({torch.finfo(dtype).max:g}); "
+                "use a level that scales, such as int8 or a quant level"
+            )
+    return out
+
+
 def raw_bytes(kv: torch.Tensor) -> bytes:
     """The tensor's bytes in C order; bf16 is reinterpreted as int16 for numpy."""
     flat = kv.detach().contiguous().cpu()

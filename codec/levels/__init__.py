@@ -17,11 +17,16 @@ from importlib import resources
 from typing import Any
 
 import numpy as np
+import torch
 
+from codec.dtypes import DTYPE_NAMES, NAME_OF_DTYPE
 from codec.quantized import QuantParams
 
 TABLE_FORMAT = "cachegen-level-table/1"
 DEFAULT_TABLE_FILE = "SmolLM2-135M-Instruct.json"
+# The default table plus the paper's baselines (fp16, int8) for benchmarks; not loaded by default,
+# so a gateway does not store every chunk twice more. Point levels_file at it to serve them.
+BASELINES_TABLE_FILE = "SmolLM2-135M-Instruct+baselines.json"
 
 
 class Scheme(enum.IntEnum):
@@ -30,14 +35,30 @@ class Scheme(enum.IntEnum):
     RAW = 0
     ZSTD = 1
     QUANT = 2
+    INT8 = 3
 
 
 @dataclass(frozen=True)
 class Level:
+    """``cast``: the dtype the KV is cast to before a lossless scheme stores it (the
+    ``fp16`` baseline); None stores the input dtype. Casting to float16 or bfloat16
+    loses bits of float32 input, so such a level must say ``lossless=False``."""
+
     name: str
     scheme: Scheme
     lossless: bool = True
     quant: QuantParams | None = field(default=None, compare=False)
+    cast: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.cast is None:
+            return
+        if self.scheme not in (Scheme.RAW, Scheme.ZSTD):
+            raise ValueError(f"level {self.name!r}: only raw and zstd levels cast, not {self.scheme.name}")
+        if self.cast not in NAME_OF_DTYPE:
+            raise ValueError(f"level {self.name!r}: cannot cast to {self.cast}")
+        if self.lossless and self.cast != torch.float32:
+            raise ValueError(f"level {self.name!r} casts to {self.cast}, which is lossy: pass lossless=False")
 
 
 LOSSLESS = Level("lossless", Scheme.RAW)
@@ -47,7 +68,8 @@ class LevelTableError(ValueError):
     """A level table that does not validate."""
 
 
-_LEVEL_KEYS = {"name", "scheme", "key_step", "value_step", "exact_tokens", "groups", "comment"}
+_LEVEL_KEYS = {"name", "scheme", "key_step", "value_step", "exact_tokens", "groups", "dtype", "comment"}
+_QUANT_KEYS = {"key_step", "value_step", "exact_tokens", "groups"}
 
 
 def _steps(entry: dict[str, Any], key: str, where: str) -> tuple[float, ...]:
@@ -68,6 +90,15 @@ def _int(entry: dict[str, Any], key: str, default: int, lo: int, hi: int, where:
     return v
 
 
+def _cast(entry: dict[str, Any], where: str) -> torch.dtype | None:
+    if "dtype" not in entry:
+        return None
+    name = entry["dtype"]
+    if not isinstance(name, str) or name not in DTYPE_NAMES:
+        raise LevelTableError(f"{where}: dtype must be one of {sorted(DTYPE_NAMES)}, got {name!r}")
+    return DTYPE_NAMES[name]
+
+
 def _level(entry: Any, rms: np.ndarray | None, index: int) -> Level:
     if not isinstance(entry, dict):
         raise LevelTableError(f"levels[{index}] must be an object")
@@ -84,12 +115,20 @@ def _level(entry: Any, rms: np.ndarray | None, index: int) -> Level:
     if unknown:
         raise LevelTableError(f"{where}: unknown fields {sorted(unknown)}")
     scheme = entry.get("scheme")
-    if scheme == "raw":
-        return Level(name, Scheme.RAW)
-    if scheme == "zstd":
-        return Level(name, Scheme.ZSTD)
+    if scheme in ("raw", "zstd"):
+        cast = _cast(entry, where)
+        lossless = cast is None or cast == torch.float32
+        return Level(name, Scheme.RAW if scheme == "raw" else Scheme.ZSTD, lossless=lossless, cast=cast)
+    if "dtype" in entry:
+        raise LevelTableError(f"{where}: dtype applies to raw and zstd levels only")
+    if scheme == "int8":
+        if set(entry) & _QUANT_KEYS:
+            raise LevelTableError(
+                f"{where}: int8 takes no parameters, got {sorted(set(entry) & _QUANT_KEYS)}"
+            )
+        return Level(name, Scheme.INT8, lossless=False)
     if scheme != "quant":
-        raise LevelTableError(f"{where}: scheme must be 'raw', 'zstd' or 'quant', got {scheme!r}")
+        raise LevelTableError(f"{where}: scheme must be 'raw', 'zstd', 'quant' or 'int8', got {scheme!r}")
     key_step = _steps(entry, "key_step", where)
     value_step = _steps(entry, "value_step", where)
     if rms is not None:
@@ -135,8 +174,13 @@ def load_level_table(data: dict[str, Any]) -> tuple[Level, ...]:
     return levels
 
 
+def shipped_level_table(file_name: str) -> dict[str, Any]:
+    """A level table shipped next to this file (parsed, not yet validated)."""
+    return json.loads(resources.files(__name__).joinpath(file_name).read_text(encoding="utf-8"))
+
+
 def default_level_table() -> dict[str, Any]:
-    return json.loads(resources.files(__name__).joinpath(DEFAULT_TABLE_FILE).read_text(encoding="utf-8"))
+    return shipped_level_table(DEFAULT_TABLE_FILE)
 
 
 DEFAULT_LEVELS: tuple[Level, ...] = load_level_table(default_level_table())
@@ -154,6 +198,8 @@ def level_digest(level: Level) -> str:
         h.update(repr((q.key_step, q.value_step, q.exact_tokens, q.groups)).encode())
         if q.key_channel_rms is not None:
             h.update(np.ascontiguousarray(q.key_channel_rms, dtype=np.float64).tobytes())
+    if level.cast is not None:  # absent for uncast levels, so their digests are what they were
+        h.update(f"cast={NAME_OF_DTYPE[level.cast]}".encode())
     return h.hexdigest()[:16]
 
 

@@ -30,7 +30,14 @@ def _chunk(level: Level, tokens: int = 23) -> tuple[bytes, torch.Tensor]:
     return encode_chunk(kv, level), kv
 
 
-CHUNKS = {name: _chunk(level) for name, level in (("raw", LOSSLESS), ("zstd", ZSTD), ("quant", QUANT))}
+INT8 = Level("int8", Scheme.INT8, lossless=False)
+FP16 = Level("fp16", Scheme.RAW, lossless=False, cast=torch.float16)
+
+
+CHUNKS = {
+    name: _chunk(level)
+    for name, level in (("raw", LOSSLESS), ("zstd", ZSTD), ("quant", QUANT), ("int8", INT8), ("fp16", FP16))
+}
 
 
 def _forge_crc(data: bytes | bytearray) -> bytes:

@@ -48,3 +48,8 @@ def test_golden_headers() -> None:
 
 def test_probability_bank_is_pinned() -> None:
     assert bank().digest() == BANK_DIGEST
+
+
+def test_golden_int8_header() -> None:
+    header = read_header((GOLDEN / "int8.bin").read_bytes())
+    assert header.shape == generate.SHAPE and header.scheme == 3 and header.dtype == 0
