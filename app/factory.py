@@ -22,8 +22,8 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         gateway.worker.shutdown()
-        if gateway.pipeline.write_back is not None:
-            gateway.pipeline.write_back.shutdown()
+        if gateway.executor.write_back is not None:
+            gateway.executor.write_back.shutdown()
         gateway.io_pool.shutdown(wait=False, cancel_futures=True)
         gateway.store.close()
 

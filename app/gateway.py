@@ -11,17 +11,28 @@ from typing import Any
 
 from app.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from app.metrics import Metrics
-from app.pipeline import Finished, GenerationJob, Pipeline, PromptDone, TokenEvent
-from app.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, PromptTokensDetails, Usage
+from app.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    KVCacheInfo,
+    KVChunkInfo,
+    PromptTokensDetails,
+    Usage,
+)
 from app.settings import Settings
 from app.worker import ModelWorker
-from codec import DEFAULT_LEVELS, Level, level_by_name
+from codec import Level, level_by_name
+from codec.levels import default_level_table, load_level_table
 from engine import ModelRunner, load_model
 from engine.sampling import SamplingParams
 from scheduler.contexts import ContextStore
+from scheduler.executor import Finished, GenerationJob, PrefixReport, PromptDone, RequestExecutor, TokenEvent
 from scheduler.geometry import KVGeometry
-from scheduler.loader import PrefixLoader
+from scheduler.loader import KVRequest, PrefixLoader
+from scheduler.planner import TEXT
 from scheduler.prefix import make_fingerprint, weights_digest
+from scheduler.profile import load_or_measure, profile_key
 from scheduler.write_back import WriteBack
 from storage import ObjectStore, open_store
 
@@ -30,14 +41,27 @@ log = logging.getLogger(__name__)
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 
 
-def load_levels(settings: Settings) -> tuple[Level, ...]:
-    if settings.levels_file is None:
-        return DEFAULT_LEVELS
+def load_levels(settings: Settings) -> tuple[tuple[Level, ...], Level]:
+    """The level table, and the quality floor of ``auto`` without a budget.
+
+    The floor is ``min_quality`` when set; else the table's ``default_level``;
+    else the middle one of its lossy levels.
+    """
     import json
 
-    from codec.levels import load_level_table
-
-    return load_level_table(json.loads(settings.levels_file.read_text()))
+    table = (
+        default_level_table()
+        if settings.levels_file is None
+        else json.loads(settings.levels_file.read_text())
+    )
+    levels = load_level_table(table)
+    lossy = [lv for lv in levels if not lv.lossless] or list(levels)
+    name = settings.min_quality or table.get("default_level") or lossy[len(lossy) // 2].name
+    try:
+        return levels, level_by_name(name, levels)
+    except KeyError:
+        known = ", ".join(lv.name for lv in levels)
+        raise ValueError(f"min_quality {name!r} is not a level of the table ({known})") from None
 
 
 @dataclass
@@ -46,10 +70,11 @@ class Gateway:
     runner: ModelRunner
     store: ObjectStore
     contexts: ContextStore
-    pipeline: Pipeline
+    executor: RequestExecutor
     worker: ModelWorker
     metrics: Metrics
     levels: tuple[Level, ...]
+    floor: Level  # auto without a budget uses no level below this
     io_pool: ThreadPoolExecutor
 
     @property
@@ -68,18 +93,24 @@ class Gateway:
                 f"model {name!r} does not exist; this gateway serves {self.model_name!r}", param="model"
             )
 
-    def levels_for(self, quality: str, use_kv: bool) -> list[Level]:
+    def kv_request(self, quality: str, use_kv: bool, slo_ms: float | None) -> KVRequest | None:
+        """How a request may use stored KV: ``auto`` plans per chunk; a level name is used as is."""
         if not use_kv:
-            return []
-        if quality == "auto":
-            return list(self.levels)
-        try:
-            return [level_by_name(quality, self.levels)]
-        except KeyError:
-            names = ", ".join(["auto", *(lv.name for lv in self.levels)])
-            raise InvalidRequest(
-                f"unknown kv_quality {quality!r}; use one of: {names}", param="kv_quality"
-            ) from None
+            return None
+        ranks = {lv.name: rank for rank, lv in enumerate(self.levels)}
+        if quality != "auto":
+            try:
+                return KVRequest([level_by_name(quality, self.levels)], ranks, fixed=True)
+            except KeyError:
+                names = ", ".join(["auto", *(lv.name for lv in self.levels)])
+                raise InvalidRequest(
+                    f"unknown kv_quality {quality!r}; use one of: {names}", param="kv_quality"
+                ) from None
+        slo_ms = slo_ms if slo_ms is not None else self.settings.kv_slo_ms
+        if slo_ms is not None:
+            return KVRequest(list(self.levels), ranks, budget_s=slo_ms / 1000)
+        floor = self.levels.index(self.floor)
+        return KVRequest(list(self.levels[: floor + 1]), ranks)
 
     def encode_levels(self, names: list[str] | None) -> list[Level]:
         try:
@@ -146,12 +177,12 @@ class Gateway:
                 ignore_eos=request.ignore_eos,
             ),
             stops=request.stop_list(),
-            levels=self.levels_for(request.kv_quality, request.kv_cache),
+            kv=self.kv_request(request.kv_quality, request.kv_cache, request.kv_slo_ms),
             **extra,
         )
 
     def events(self, job: GenerationJob) -> AsyncIterator[Any]:
-        return self.worker.stream(lambda emit, cancel: self.pipeline.run(job, emit, cancel))
+        return self.worker.stream(lambda emit, cancel: self.executor.run(job, emit, cancel))
 
     def observe(
         self, endpoint: str, started: float, prompt: PromptDone | None, finished: Finished | None
@@ -164,8 +195,19 @@ class Gateway:
                 m.kv_store_faults.labels(fault).inc()
             if info.chunks:
                 m.kv_load_seconds.observe(info.load_ms / 1000)
-                for chunk in info.chunks:
+            for chunk in info.chunks:
+                m.kv_chunks.labels(chunk.level or TEXT).inc()
+                if chunk.source == "text":
+                    m.kv_chunks_recomputed.inc()
+                    m.kv_chunk_seconds.labels("prefill").observe(chunk.prefill_ms / 1000)
+                else:
                     m.kv_bytes_loaded.labels(chunk.level).inc(chunk.bytes)
+                    m.kv_chunk_seconds.labels("fetch").observe(chunk.fetch_ms / 1000)
+                    m.kv_chunk_seconds.labels("decode").observe(chunk.decode_ms / 1000)
+            if info.bandwidth_bps is not None:
+                m.kv_bandwidth.set(info.bandwidth_bps)
+            if info.slo_met is not None:
+                m.kv_slo.labels("met" if info.slo_met else "missed").inc()
         if finished is not None:
             m.generation_tokens.inc(finished.completion_tokens)
             m.requests.labels(endpoint, finished.reason).inc()
@@ -175,6 +217,22 @@ class Gateway:
         if used_store:
             self.metrics.prefix_queries.inc(prompt_len)
             self.metrics.prefix_hits.inc(cached)
+
+
+def kv_cache_info(report: PrefixReport) -> dict[str, Any]:
+    """The response's ``kv_cache_info`` extension object."""
+    return KVCacheInfo(
+        cached_tokens=report.cached_tokens,
+        recomputed_tokens=report.recomputed_tokens,
+        chunks=[KVChunkInfo(**vars(c)) for c in report.chunks],
+        load_ms=report.load_ms,
+        prefill_ms=report.prefill_ms,
+        faults=report.faults,
+        bandwidth_mbps=None if report.bandwidth_bps is None else round(report.bandwidth_bps * 8 / 1e6, 1),
+        budget_ms=report.budget_ms,
+        planned_ms=report.planned_ms,
+        slo_met=report.slo_met,
+    ).model_dump()
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Usage:
@@ -209,7 +267,7 @@ async def observed_events(gateway: Gateway, endpoint: str, job: GenerationJob) -
         async for event in gateway.events(job):
             if isinstance(event, PromptDone):
                 prompt = event
-                gateway.record_lookup(len(job.prompt_ids), event.kv_info.cached_tokens, bool(job.levels))
+                gateway.record_lookup(len(job.prompt_ids), event.kv_info.cached_tokens, job.kv is not None)
             elif isinstance(event, TokenEvent) and first_token:
                 gateway.metrics.ttft.observe(time.perf_counter() - started)
                 first_token = False
@@ -284,10 +342,17 @@ def build_gateway(settings: Settings) -> Gateway:
     io_pool = ThreadPoolExecutor(max_workers=settings.store_threads, thread_name_prefix="kv-io")
     contexts = ContextStore(store, fingerprint, loaded.name, settings.chunk_size, io_pool)
     geometry = KVGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim)
-    loader = PrefixLoader(store, geometry, settings.chunk_size, io_pool)
     metrics = Metrics()
-    levels = load_levels(settings)
+    levels, floor = load_levels(settings)
     warm_up_codec(levels, geometry)
+    profile = load_or_measure(
+        settings.cache_dir,
+        profile_key(fingerprint.hex, runner, list(levels), settings.chunk_size),
+        runner,
+        list(levels),
+        settings.chunk_size,
+    )
+    loader = PrefixLoader(store, geometry, io_pool, profile)
     write_back = None
     if settings.write_back:
         write_back = WriteBack(
@@ -308,10 +373,11 @@ def build_gateway(settings: Settings) -> Gateway:
         runner=runner,
         store=store,
         contexts=contexts,
-        pipeline=Pipeline(runner, contexts, loader, write_back),
+        executor=RequestExecutor(runner, contexts, loader, write_back),
         worker=ModelWorker(settings.max_queue, metrics),
         metrics=metrics,
         levels=levels,
+        floor=floor,
         io_pool=io_pool,
     )
 

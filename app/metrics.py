@@ -56,6 +56,33 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.kv_chunks = Counter(
+            "cachegen:kv_chunks",
+            "Prefix chunks loaded, by source: a level name, or 'text' (recomputed).",
+            ["source"],
+            registry=r,
+        )
+        self.kv_chunks_recomputed = Counter(
+            "cachegen:kv_chunks_recomputed", "Stored chunks the planner recomputed from text.", registry=r
+        )
+        self.kv_chunk_seconds = Histogram(
+            "cachegen:kv_chunk_seconds",
+            "Per-chunk time of each loading stage (fetch, decode, prefill of text chunks).",
+            ["stage"],
+            registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+        )
+        self.kv_slo = Counter(
+            "cachegen:kv_slo",
+            "Requests with a kv_slo_ms budget, by whether load + prefill met it.",
+            ["outcome"],
+            registry=r,
+        )
+        self.kv_bandwidth = Gauge(
+            "cachegen:kv_bandwidth_estimate_bytes_per_second",
+            "The store link's bandwidth, as measured from chunk fetches.",
+            registry=r,
+        )
         self.contexts_encoded = Counter("cachegen:contexts_encoded", "Contexts pre-encoded.", registry=r)
         self.running = Gauge("cachegen:num_requests_running", "Requests on the model.", registry=r)
         self.waiting = Gauge("cachegen:num_requests_waiting", "Requests queued for the model.", registry=r)

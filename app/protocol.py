@@ -43,6 +43,9 @@ class KVExtension(BaseModel):
 
     kv_cache: bool = Field(True, description="false: ignore stored KV for this request")
     kv_quality: str = Field("auto", description="'auto' or a level name such as 'lossless'")
+    kv_slo_ms: Annotated[float, Field(gt=0, le=3_600_000)] | None = Field(
+        None, description="time-to-first-token budget for 'auto' (default: the server's)"
+    )
 
 
 class SamplingFields(BaseModel):
@@ -164,9 +167,13 @@ class Usage(BaseModel):
 class KVChunkInfo(BaseModel):
     index: int
     tokens: int
-    level: str
+    source: Literal["store", "text"]
+    level: str | None  # the level fetched; None for text (recomputed)
     bytes: int
-    source: Literal["store"] = "store"
+    fetch_ms: float
+    decode_ms: float
+    prefill_ms: float
+    idle_ms: float
 
 
 class KVCacheInfo(BaseModel):
@@ -178,3 +185,7 @@ class KVCacheInfo(BaseModel):
     load_ms: float
     prefill_ms: float
     faults: list[str] = []
+    bandwidth_mbps: float | None = None  # link estimate after loading (megabits per second)
+    budget_ms: float | None = None  # the kv_slo_ms in force
+    planned_ms: float | None = None  # the first plan's prediction for load + prefill
+    slo_met: bool | None = None  # load + prefill within the budget

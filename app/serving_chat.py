@@ -7,10 +7,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.gateway import Gateway, collect, observed_events, usage
-from app.pipeline import Finished, GenerationJob, PromptDone, TokenEvent
+from app.gateway import Gateway, collect, kv_cache_info, observed_events, usage
 from app.protocol import ChatCompletionRequest, new_id, now
 from app.sse import StreamFramer, stream_response
+from scheduler.executor import Finished, GenerationJob, PromptDone, TokenEvent
 
 
 async def chat_completion(
@@ -42,7 +42,7 @@ async def chat_completion(
         "usage": usage(
             len(job.prompt_ids), out.finished.completion_tokens, out.prompt.kv_info.cached_tokens
         ).model_dump(),
-        "kv_cache_info": out.prompt.kv_info.model_dump(),
+        "kv_cache_info": kv_cache_info(out.prompt.kv_info),
     }
     return JSONResponse(body)
 
@@ -57,7 +57,7 @@ async def _stream(gateway: Gateway, job: GenerationJob, include_usage: bool) -> 
     async for event in observed_events(gateway, "chat", job):
         if isinstance(event, PromptDone):
             prompt = event
-            yield chunk({"role": "assistant", "content": ""}, kv_cache_info=event.kv_info.model_dump())
+            yield chunk({"role": "assistant", "content": ""}, kv_cache_info=kv_cache_info(event.kv_info))
         elif isinstance(event, TokenEvent):
             if event.text:
                 yield chunk({"content": event.text})

@@ -8,10 +8,10 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.errors import InvalidRequest
-from app.gateway import Gateway, collect, observed_events, usage
-from app.pipeline import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
+from app.gateway import Gateway, collect, kv_cache_info, observed_events, usage
 from app.protocol import CompletionRequest, new_id, now
 from app.sse import StreamFramer, stream_response
+from scheduler.executor import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
 
 
 def _prompt_ids(gateway: Gateway, request: CompletionRequest) -> list[int]:
@@ -88,7 +88,7 @@ async def completion(gateway: Gateway, request: CompletionRequest) -> JSONRespon
         "usage": usage(
             len(job.prompt_ids), out.finished.completion_tokens, out.prompt.kv_info.cached_tokens
         ).model_dump(),
-        "kv_cache_info": out.prompt.kv_info.model_dump(),
+        "kv_cache_info": kv_cache_info(out.prompt.kv_info),
     }
     return JSONResponse(body)
 
@@ -115,7 +115,7 @@ async def _stream(
                 yield chunk(
                     text,
                     builder.body if request.logprobs is not None else None,
-                    kv_cache_info=event.kv_info.model_dump(),
+                    kv_cache_info=kv_cache_info(event.kv_info),
                 )
         elif isinstance(event, TokenEvent):
             logprobs = None

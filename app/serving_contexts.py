@@ -19,7 +19,7 @@ def context_object(manifest: Manifest) -> dict[str, Any]:
         "created": manifest.created,
         "tokens": manifest.tokens,
         "cached_tokens": manifest.cached_tokens,
-        "chunks": len(manifest.chunk_keys),
+        "chunks": len(manifest.stored_keys),  # full chunks, and the tail when there is one
         "chunk_size": manifest.chunk_size,
         "bytes": dict(manifest.level_bytes),
         "encode_seconds": manifest.encode_seconds,

@@ -48,6 +48,14 @@ class Settings(BaseSettings):
     write_back: bool = Field(False, description="store the KV of uncached prompt chunks after a request")
     write_back_levels: list[str] | None = Field(None, description="levels write-back stores; default: all")
 
+    kv_slo_ms: float | None = Field(
+        None, gt=0, description="default time-to-first-token budget for kv_quality 'auto' (unset: none)"
+    )
+    min_quality: str | None = Field(
+        None,
+        description="without a budget, 'auto' uses no level below this one (default: the table's default)",
+    )
+
     # serving
     max_queue: int = Field(8, ge=1, description="requests running or waiting before 429")
     default_max_tokens: int = Field(512, ge=1, description="chat max_tokens when the client sets none")

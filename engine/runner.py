@@ -45,13 +45,23 @@ class ModelRunner:
 
     # -- KV tensors <-> transformers cache ---------------------------------------------------
 
+    def new_kv(self, tokens: int) -> torch.Tensor:
+        """An empty (layers, 2, heads, tokens, head_dim) buffer on the model's device, in its dtype:
+        a prefix's chunks are decoded or prefilled straight into their slices of it."""
+        shape = (self.num_layers, 2, self.num_kv_heads, tokens, self.head_dim)
+        return torch.empty(shape, device=self.device, dtype=self.loaded.dtype)
+
     def cache_from_kv(self, kv: torch.Tensor | None) -> DynamicCache:
+        """A cache over ``kv``'s tokens. It holds views of ``kv``, not copies: the model's next
+        forward pass concatenates new tokens into fresh tensors and never writes into ``kv``."""
         cache = DynamicCache(config=self.model.config)
         if kv is None or kv.shape[3] == 0:
             return cache
         kv = kv.to(device=self.device, dtype=self.loaded.dtype)
-        for layer in range(self.num_layers):
-            cache.update(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0), layer)
+        for index, layer in enumerate(cache.layers[: self.num_layers]):
+            keys, values = kv[index, 0].unsqueeze(0), kv[index, 1].unsqueeze(0)
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
         return cache
 
     def kv_from_cache(self, cache: DynamicCache, start: int = 0, end: int | None = None) -> torch.Tensor:
@@ -96,6 +106,22 @@ class ModelRunner:
             last_logits=logits[-1],
             prompt_logits=logits if want_prompt_logits else None,
         )
+
+    @torch.inference_mode()
+    def prefill_into(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> None:
+        """Prefill ``token_ids`` on top of ``kv[..., :start, :]`` and write their KV after it."""
+        end = start + len(token_ids)
+        cache = self.cache_from_kv(kv[:, :, :, :start])
+        self.model(
+            input_ids=torch.tensor([token_ids], device=self.device),
+            position_ids=torch.arange(start, end, device=self.device).unsqueeze(0),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for index, layer in enumerate(cache.layers[: self.num_layers]):
+            kv[index, 0, :, start:end] = layer.keys[0, :, start:end]
+            kv[index, 1, :, start:end] = layer.values[0, :, start:end]
 
     def compute_kv(self, token_ids: list[int]) -> torch.Tensor:
         """Prefill a whole context from scratch and return its KV."""

@@ -1,7 +1,8 @@
-"""Pre-encoded contexts: write every chunk at every level, then the manifest.
+"""Pre-encoded contexts: every chunk (and the tail) at every level, the prefix index, then the manifest.
 
 The manifest is written last, so a context whose upload was interrupted is
-never listed; its orphaned chunks still serve as a prefix cache.
+never listed; its orphaned chunks still serve as a prefix cache once the
+index lists them.
 """
 
 from __future__ import annotations
@@ -11,17 +12,35 @@ import re
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
-from codec import Level, encode_chunk
-from scheduler.errors import ContextNotFound, ManifestError
-from scheduler.layout import MANIFEST_PREFIX, chunk_object_key, context_id_from_manifest_key, manifest_key
+from codec import Level, encode_chunk, level_digest
+from scheduler.errors import ContextNotFound, ManifestError, PrefixIndexError
+from scheduler.index import ChunkEntry, PrefixIndex, StoredObject, TailEntry
+from scheduler.layout import (
+    MANIFEST_PREFIX,
+    chunk_dir,
+    chunk_object_key,
+    context_id_from_manifest_key,
+    index_key,
+    manifest_key,
+)
 from scheduler.manifest import Manifest
-from scheduler.prefix import CONTEXT_ID_PATTERN, Fingerprint, chunk_keys, context_id
+from scheduler.prefix import CONTEXT_ID_PATTERN, Fingerprint, chunk_keys, context_id, tail_key
 from storage import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A context's trailing partial chunk: its key, and where its tokens start."""
+
+    key: str
+    start: int
+    tokens: int
 
 
 class ContextStore:
@@ -45,27 +64,69 @@ class ContextStore:
     def keys(self, token_ids: Sequence[int]) -> list[str]:
         return chunk_keys(self.fingerprint, token_ids, self.chunk_size)
 
-    def save_chunks(
-        self, keys: Sequence[str], kv: torch.Tensor, levels: Sequence[Level], first: int = 0
-    ) -> dict[str, int]:
-        """Encode and store chunks ``first..len(keys)`` of ``kv`` (which starts at chunk 0).
+    def tail(self, token_ids: Sequence[int], keys: Sequence[str]) -> Tail | None:
+        """The tokens after the last full chunk, when there is a full chunk to hang them on."""
+        start = len(keys) * self.chunk_size
+        if not keys or start == len(token_ids):
+            return None
+        return Tail(tail_key(keys[-1], token_ids[start:]), start, len(token_ids) - start)
 
-        Returns the bytes written per level. No manifest: the chunks serve as a
-        prefix cache, which is all the write-back path needs.
-        """
+    def save_chunks(
+        self,
+        keys: Sequence[str],
+        kv: torch.Tensor,
+        levels: Sequence[Level],
+        first: int = 0,
+        tail: Tail | None = None,
+    ) -> dict[str, int]:
+        """Encode and store chunks ``first..len(keys)`` of ``kv`` (which starts at chunk 0), and
+        ``tail``; then add them to the prefix index. Returns the bytes written per level."""
         level_bytes = {level.name: 0 for level in levels}
+        pieces = [(keys[i], i * self.chunk_size, self.chunk_size) for i in range(first, len(keys))]
+        if tail is not None:
+            pieces.append((tail.key, tail.start, tail.tokens))
         uploads = []
-        for index in range(first, len(keys)):
-            chunk = kv[:, :, :, index * self.chunk_size : (index + 1) * self.chunk_size]
+        written: dict[str, dict[str, StoredObject]] = {}
+        for key, start, tokens in pieces:
+            chunk = kv[:, :, :, start : start + tokens]
             for level in levels:
                 data = encode_chunk(chunk, level)
+                digest = level_digest(level)
                 level_bytes[level.name] += len(data)
+                written.setdefault(key, {})[level.name] = StoredObject(digest=digest, bytes=len(data))
                 uploads.append(
-                    self.pool.submit(self.store.put, chunk_object_key(keys[index], level.name), data)
+                    self.pool.submit(self.store.put, chunk_object_key(key, level.name, digest), data)
                 )
         for upload in uploads:
             upload.result()  # re-raises the first StorageError
+        if written and keys:
+            entries = PrefixIndex(
+                fingerprint=self.fingerprint.hex,
+                chunk_size=self.chunk_size,
+                chunks={k: ChunkEntry(objects=written[k]) for k in keys[first:] if k in written},
+                tails={}
+                if tail is None or tail.key not in written
+                else {tail.key: TailEntry(objects=written[tail.key], parent=keys[-1], tokens=tail.tokens)},
+            )
+            self._update_index(keys[0], lambda index: index.merged(entries))
         return level_bytes
+
+    def _update_index(self, first_key: str, change) -> None:
+        """Read, change and write the index under ``first_key`` (a missing or bad one starts empty)."""
+        key = index_key(first_key)
+        try:
+            index = PrefixIndex.from_bytes(self.store.get(key))
+            if index.fingerprint != self.fingerprint.hex or index.chunk_size != self.chunk_size:
+                raise PrefixIndexError("index of another model or chunk size")
+        except (ObjectNotFound, PrefixIndexError) as exc:
+            if not isinstance(exc, ObjectNotFound):
+                log.warning("replacing unreadable prefix index %s: %s", key, exc)
+            index = PrefixIndex(fingerprint=self.fingerprint.hex, chunk_size=self.chunk_size)
+        index = change(index)
+        if index.empty:
+            self.store.delete(key)
+        else:
+            self.store.put(key, index.to_bytes())
 
     def save(
         self,
@@ -74,10 +135,11 @@ class ContextStore:
         levels: Sequence[Level],
         compute_seconds: float,
     ) -> Manifest:
-        """Encode and store each full chunk of ``kv`` at each level; the manifest goes last."""
+        """Encode and store each full chunk of ``kv`` and its tail at each level; the manifest goes last."""
         started = time.perf_counter()
         keys = self.keys(token_ids)
-        level_bytes = self.save_chunks(keys, kv, levels)
+        tail = self.tail(token_ids, keys)
+        level_bytes = self.save_chunks(keys, kv, levels, tail=tail)
         manifest = Manifest(
             id=self.context_id(token_ids),
             model=self.model_name,
@@ -85,6 +147,8 @@ class ContextStore:
             chunk_size=self.chunk_size,
             tokens=len(token_ids),
             chunk_keys=keys,
+            tail_key=None if tail is None else tail.key,
+            tail_tokens=0 if tail is None else tail.tokens,
             level_bytes=level_bytes,
             created=int(time.time()),
             encode_seconds=round(compute_seconds + time.perf_counter() - started, 4),
@@ -123,18 +187,17 @@ class ContextStore:
     def delete(self, ctx_id: str) -> Manifest:
         """Remove the context, and those of its chunks no other context uses.
 
-        The manifest goes first, so the context disappears at once; chunks a
-        shared prefix still needs are kept.
+        The manifest goes first, so the context disappears at once; then the
+        index forgets the doomed chunks (so no reader plans with them), then
+        their objects go. Chunks a shared prefix still needs are kept.
         """
         manifest = self.get(ctx_id)
         self.store.delete(manifest_key(ctx_id))
-        still_used = {key for other in self.list() for key in other.chunk_keys}
-        doomed = [
-            chunk_object_key(key, level)
-            for key in manifest.chunk_keys
-            if key not in still_used
-            for level in manifest.level_bytes
-        ]
-        for future in [self.pool.submit(self.store.delete, key) for key in doomed]:
+        still_used = {key for other in self.list() for key in other.stored_keys}
+        doomed = {key for key in manifest.stored_keys if key not in still_used}
+        if doomed and manifest.chunk_keys:
+            self._update_index(manifest.chunk_keys[0], lambda index: index.without(doomed))
+        objects = [info.key for key in sorted(doomed) for info in self.store.list(chunk_dir(key))]
+        for future in [self.pool.submit(self.store.delete, key) for key in objects]:
             future.result()
         return manifest

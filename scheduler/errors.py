@@ -11,3 +11,7 @@ class ContextNotFound(SchedulerError):
 
 class ManifestError(SchedulerError):
     """A manifest read from the store is not valid."""
+
+
+class PrefixIndexError(SchedulerError):
+    """A prefix index read from the store is not valid."""

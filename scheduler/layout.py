@@ -1,11 +1,14 @@
 """Where things live in the object store.
 
-    kv/<chunk key>/<level>      one encoded chunk at one quality level
-    contexts/<context id>.json  a pre-encoded context's manifest, written last
+    kv/<chunk key>/<level>.<level digest>   one encoded chunk (or context tail) at one level
+    kv/<first chunk key>/index.json         what is stored under that first chunk (sizes per level)
+    contexts/<context id>.json              a pre-encoded context's manifest, written last
 
 One object per (chunk, level) lets a reader fetch exactly the level it picked
-with a plain GET, and lets a level be added to a stored chunk later without
-rewriting the others.
+with a plain GET. The level digest in the name keeps gateways whose level
+tables give one name different parameters from ever reading each other's
+bytes under that name. The index lets a reader plan a whole prefix (which
+levels exist, how many bytes each) from one GET, before fetching any chunk.
 """
 
 from __future__ import annotations
@@ -13,10 +16,25 @@ from __future__ import annotations
 CHUNK_PREFIX = "kv/"
 MANIFEST_PREFIX = "contexts/"
 _MANIFEST_SUFFIX = ".json"
+INDEX_NAME = "index.json"
 
 
-def chunk_object_key(chunk_key: str, level: str) -> str:
-    return f"{CHUNK_PREFIX}{chunk_key}/{level}"
+def object_name(level: str, digest: str) -> str:
+    """The last path segment of a chunk object: which level, encoded by which parameters."""
+    return f"{level}.{digest}"
+
+
+def chunk_object_key(chunk_key: str, level: str, digest: str) -> str:
+    return f"{CHUNK_PREFIX}{chunk_key}/{object_name(level, digest)}"
+
+
+def chunk_dir(chunk_key: str) -> str:
+    """Prefix of every object stored for one chunk (all levels)."""
+    return f"{CHUNK_PREFIX}{chunk_key}/"
+
+
+def index_key(first_chunk_key: str) -> str:
+    return f"{CHUNK_PREFIX}{first_chunk_key}/{INDEX_NAME}"
 
 
 def manifest_key(context_id: str) -> str:

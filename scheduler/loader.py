@@ -1,49 +1,93 @@
-"""Fetch and decode the stored KV of a request's longest stored prefix.
+"""Load a stored prefix into the model's KV buffer, chunk by chunk, as a pipeline.
 
-The first chunk is probed at every acceptable level in one batched existence
-check, so a prefix that is not stored costs one round trip, not one per
-chunk. The chunks then stream in on a thread pool while earlier ones decode.
+Each chunk's source is the store at some level, or ``text`` (prefill that
+chunk on top of the KV before it). Fetches run ahead on the I/O pool, a few
+chunks at a time, while the calling thread decodes the chunk before them into
+its slice of one preallocated buffer, or prefills a text chunk. In ``auto``
+mode the plan for the chunks not yet fetched is made again before each
+chunk, from the time left, the measured bandwidth and the cost profile; a
+level a client names is used for every chunk, without re-planning.
+
 Any fault (a missing or unreadable object, bytes the codec rejects, a shape
 that does not fit the model) ends the prefix at the chunk before it: the
-caller recomputes the rest from text, and the fault is reported, not served.
+caller prefills the rest from text, and the fault is reported, not served.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from codec import CodecError, Level, decode_chunk
+from codec import CodecError, Level, decode_chunk, level_digest
+from engine import ModelRunner
+from scheduler.bandwidth import BandwidthEstimator
 from scheduler.geometry import KVGeometry
 from scheduler.layout import chunk_object_key
+from scheduler.planner import TEXT, ChunkCosts, PlanInputs, plan
+from scheduler.profile import CostProfile
+from scheduler.stored import StoredChunk, StoredPrefix
 from storage import ObjectNotFound, ObjectStore, StorageError
 
 log = logging.getLogger(__name__)
 
+# Assumed link rate until this process has measured one (100 Mbit/s): only the
+# first request's first chunk is planned with it; text is not chosen on it.
+PRIOR_BYTES_PER_SECOND = 12.5e6
+
 
 @dataclass(frozen=True)
-class LoadedChunk:
+class KVRequest:
+    """How one request may use stored KV."""
+
+    levels: list[Level]  # candidates, best quality first; with ``fixed``, the one named level
+    ranks: dict[str, int]  # level name -> quality rank in the level table (0 = exact)
+    fixed: bool = False  # a level the client named: every chunk at it, never text
+    budget_s: float | None = None  # time from the start of the request to its first token
+    allow_text: bool = True
+
+
+@dataclass
+class ChunkReport:
     index: int
-    level: str
     tokens: int
-    bytes: int
+    source: str  # "store" or "text"
+    level: str | None
+    bytes: int = 0
+    fetch_ms: float = 0.0  # from issuing the GET to the last byte
+    decode_ms: float = 0.0  # decode and placement in the buffer
+    prefill_ms: float = 0.0  # text chunks: recompute
+    idle_ms: float = 0.0  # the pipeline waited this long for the chunk's bytes
 
 
 @dataclass
 class PrefixLoad:
-    """What came from the store for one request."""
-
-    kv: torch.Tensor | None  # (layers, 2, kv_heads, tokens, head_dim), CPU
-    chunks: list[LoadedChunk] = field(default_factory=list)
-    faults: list[str] = field(default_factory=list)  # one short kind per fault, for metrics
+    kv: torch.Tensor | None  # (layers, 2, heads, tokens, head_dim) on the model's device
+    chunks: list[ChunkReport] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+    exact: bool = True  # every loaded token's KV equals what a full prefill computes
+    bandwidth_bps: float | None = None  # bytes per second, the estimate after loading
+    planned_s: float | None = None  # the first plan's predicted time to the first token
 
     @property
     def tokens(self) -> int:
         return sum(c.tokens for c in self.chunks)
+
+    @property
+    def stored_tokens(self) -> int:
+        return sum(c.tokens for c in self.chunks if c.source == "store")
+
+
+@dataclass
+class _Fetched:
+    data: bytes
+    issued: float
+    arrived: float
 
 
 class PrefixLoader:
@@ -51,74 +95,218 @@ class PrefixLoader:
         self,
         store: ObjectStore,
         geometry: KVGeometry,
-        chunk_size: int,
         pool: ThreadPoolExecutor,
+        profile: CostProfile,
+        window: int = 3,
     ) -> None:
         self.store = store
         self.geometry = geometry
-        self.chunk_size = chunk_size
         self.pool = pool
+        self.profile = profile
+        self.window = window  # store chunks in flight once the link has been measured
+        self.bandwidth = BandwidthEstimator()
 
-    def load(self, keys: Sequence[str], levels: Sequence[Level]) -> PrefixLoad:
-        """Longest run of leading ``keys`` stored at the first of ``levels`` that chunk 0 has."""
-        result = PrefixLoad(kv=None)
-        if not keys or not levels:
-            return result
-        try:
-            level = self.probe(keys[0], levels)
-        except StorageError as exc:
-            log.warning("KV store unavailable while probing %s: %s", self.store, exc)
-            result.faults.append("store_unavailable")
-            level = None
-        if level is None:
-            return result
+    def load(
+        self,
+        runner: ModelRunner,
+        stored: StoredPrefix,
+        token_ids: Sequence[int],
+        request: KVRequest,
+        prompt_tokens: int,
+        started: float,
+        cancel: threading.Event | None = None,
+    ) -> PrefixLoad:
+        run = _LoadRun(self, runner, stored, token_ids, request, prompt_tokens, started)
+        return run.execute(cancel or threading.Event())
 
-        futures = [self.pool.submit(self.store.get, chunk_object_key(k, level.name)) for k in keys]
-        parts: list[torch.Tensor] = []
+    def fetch(self, chunk: StoredChunk, level: Level) -> _Fetched:
+        key = chunk_object_key(chunk.key, level.name, level_digest(level))
+        metered = not chunk.resident.get(level.name, False)
+        issued = time.perf_counter()
+        if metered:
+            self.bandwidth.begin()
+        received = 0
         try:
-            for index, future in enumerate(futures):
-                data = self._fetched(future, index, result)
-                kv = None if data is None else self._decoded(data, index, result)
-                if kv is None:
-                    break
-                parts.append(kv)
-                result.chunks.append(LoadedChunk(index, level.name, self.chunk_size, len(data)))
+            data = self.store.get(key)
+            received = len(data)
         finally:
-            for future in futures:
+            if metered:
+                self.bandwidth.end(received)
+        return _Fetched(data, issued, time.perf_counter())
+
+
+class _LoadRun:
+    """One request's load: the plan, the fetches in flight, the buffer."""
+
+    def __init__(
+        self,
+        loader: PrefixLoader,
+        runner: ModelRunner,
+        stored: StoredPrefix,
+        token_ids: Sequence[int],
+        request: KVRequest,
+        prompt_tokens: int,
+        started: float,
+    ) -> None:
+        self.loader = loader
+        self.runner = runner
+        self.chunks = stored.chunks
+        self.token_ids = token_ids
+        self.request = request
+        self.prompt_tokens = prompt_tokens
+        self.started = started
+        self.by_name = {lv.name: lv for lv in request.levels}
+        n = len(self.chunks)
+        self.sources: list[str | None] = [request.levels[0].name] * n if request.fixed else [None] * n
+        self.pending: dict[int, Future[_Fetched]] = {}
+        self.committed = 0  # chunks [0, committed) have a final source (fetch issued, or text)
+        self.result = PrefixLoad(kv=None, faults=list(stored.faults))
+
+    def execute(self, cancel: threading.Event) -> PrefixLoad:
+        kv = self.runner.new_kv(self.chunks[-1].end) if self.chunks else None
+        loaded = 0
+        try:
+            for i, chunk in enumerate(self.chunks):
+                if cancel.is_set():
+                    break
+                if not self.request.fixed:
+                    self._replan(i)
+                self._issue(i)
+                if not self._consume(i, chunk, kv):
+                    break
+                loaded = chunk.end
+        finally:
+            for future in self.pending.values():
                 future.cancel()
-        if parts:
-            result.kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
-        return result
+        self.result.kv = kv[:, :, :, :loaded] if kv is not None and loaded else None
+        self.result.bandwidth_bps = self.loader.bandwidth.bytes_per_second
+        return self.result
 
-    def probe(self, first_key: str, levels: Sequence[Level]) -> Level | None:
-        """The first of ``levels`` at which chunk 0 is stored: one batched existence check."""
-        present = self.store.exists_many([chunk_object_key(first_key, lv.name) for lv in levels])
-        return next((lv for lv, ok in zip(levels, present) if ok), None)
+    # -- planning -----------------------------------------------------------------------------
 
-    def _fetched(self, future: Future[bytes], index: int, result: PrefixLoad) -> bytes | None:
+    def _rate(self) -> tuple[float, bool]:
+        measured = self.loader.bandwidth.bytes_per_second
+        return (measured, True) if measured else (PRIOR_BYTES_PER_SECOND, False)
+
+    def _replan(self, current: int) -> None:
+        if self.committed >= len(self.chunks):
+            return
+        profile = self.loader.profile
+        rate, measured = self._rate()
+        names = [lv.name for lv in self.request.levels]
+        link_busy = 0.0
+        compute_busy = 0.0
+        for j in range(current, self.committed):
+            chunk, source = self.chunks[j], self.sources[j]
+            assert source is not None
+            if source == TEXT:
+                compute_busy += profile.prefill_seconds(chunk.tokens, chunk.start)
+                continue
+            compute_busy += profile.decode_seconds(source, chunk.tokens)
+            future = self.pending.get(j)
+            if future is not None and not future.done() and not chunk.resident.get(source, False):
+                link_busy += chunk.sizes[source] / rate
+        remaining = [
+            ChunkCosts(
+                bytes={n: 0 if c.resident.get(n) else c.sizes[n] for n in names if n in c.sizes},
+                decode_s={n: profile.decode_seconds(n, c.tokens) for n in names},
+                recompute_s=profile.prefill_seconds(c.tokens, c.start),
+            )
+            for c in self.chunks[self.committed :]
+        ]
+        prefix_end = self.chunks[-1].end
+        budget = self.request.budget_s
+        elapsed = time.perf_counter() - self.started
+        chosen = plan(
+            PlanInputs(
+                chunks=remaining,
+                levels=names,
+                ranks=self.request.ranks,
+                rate_bps=rate,
+                suffix_s=profile.prefill_seconds(self.prompt_tokens - prefix_end, prefix_end),
+                link_busy_s=link_busy,
+                compute_busy_s=compute_busy,
+                budget_s=None if budget is None else budget - elapsed,
+                allow_text=self.request.allow_text and measured,
+            )
+        )
+        if self.result.planned_s is None:
+            self.result.planned_s = elapsed + chosen.predicted_s
+        self.sources[self.committed :] = chosen.sources
+
+    def _issue(self, current: int) -> None:
+        """Commit chunks in order, fetching store chunks, up to the window of fetches in flight.
+
+        Text chunks commit as soon as the pointer reaches them: the planner puts them first, so
+        that later chunks are on the link while the model recomputes them.
+        """
+        window = self.loader.window if self.loader.bandwidth.bytes_per_second else 1
+        while self.committed < len(self.chunks):
+            source = self.sources[self.committed]
+            assert source is not None
+            if source != TEXT:
+                if sum(1 for j in self.pending if j >= current) >= window:
+                    return
+                chunk = self.chunks[self.committed]
+                self.pending[self.committed] = self.loader.pool.submit(
+                    self.loader.fetch, chunk, self.by_name[source]
+                )
+            self.committed += 1
+
+    # -- execution ----------------------------------------------------------------------------
+
+    def _consume(self, i: int, chunk: StoredChunk, kv: torch.Tensor) -> bool:
+        source = self.sources[i]
+        assert source is not None
+        if source == TEXT:
+            t = time.perf_counter()
+            self.runner.prefill_into(kv, chunk.start, list(self.token_ids[chunk.start : chunk.end]))
+            seconds = time.perf_counter() - t
+            self.loader.profile.observe_prefill(chunk.tokens, chunk.start, seconds)
+            self.result.chunks.append(ChunkReport(i, chunk.tokens, "text", None, prefill_ms=_ms(seconds)))
+            return True
+        waited = time.perf_counter()
         try:
-            return future.result()
+            fetched = self.pending.pop(i).result()
         except ObjectNotFound:
-            if index == 0:
-                # it existed a moment ago: deleted behind our back
-                result.faults.append("object_missing")
-                log.warning("KV chunk 0 vanished between probe and fetch")
-            return None
+            log.warning("KV chunk %d is listed in the index but missing from the store", i)
+            self.result.faults.append("object_missing")
+            return False
         except StorageError as exc:
-            log.warning("KV chunk %d unreadable, recomputing from there: %s", index, exc)
-            result.faults.append("store_unavailable")
-            return None
-
-    def _decoded(self, data: bytes, index: int, result: PrefixLoad) -> torch.Tensor | None:
+            log.warning("KV chunk %d unreadable, recomputing from there: %s", i, exc)
+            self.result.faults.append("store_unavailable")
+            return False
+        idle = time.perf_counter() - waited
+        t = time.perf_counter()
         try:
-            kv = decode_chunk(data)
+            decoded = decode_chunk(fetched.data)
         except CodecError as exc:
-            log.warning("KV chunk %d rejected by the codec, recomputing from there: %s", index, exc)
-            result.faults.append("corrupt_chunk")
-            return None
-        expected = self.geometry.chunk_shape(self.chunk_size)
-        if tuple(kv.shape) != expected:
-            log.warning("KV chunk %d has shape %s, the model needs %s", index, tuple(kv.shape), expected)
-            result.faults.append("shape_mismatch")
-            return None
-        return kv
+            log.warning("KV chunk %d rejected by the codec, recomputing from there: %s", i, exc)
+            self.result.faults.append("corrupt_chunk")
+            return False
+        expected = self.loader.geometry.chunk_shape(chunk.tokens)
+        if tuple(decoded.shape) != expected:
+            log.warning("KV chunk %d has shape %s, the model needs %s", i, tuple(decoded.shape), expected)
+            self.result.faults.append("shape_mismatch")
+            return False
+        kv[:, :, :, chunk.start : chunk.end].copy_(decoded)
+        seconds = time.perf_counter() - t
+        self.loader.profile.observe_decode(source, chunk.tokens, seconds)
+        self.result.exact = self.result.exact and self.by_name[source].lossless
+        self.result.chunks.append(
+            ChunkReport(
+                i,
+                chunk.tokens,
+                "store",
+                source,
+                bytes=len(fetched.data),
+                fetch_ms=_ms(fetched.arrived - fetched.issued),
+                decode_ms=_ms(seconds),
+                idle_ms=_ms(idle),
+            )
+        )
+        return True
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)

@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from scheduler.errors import ManifestError
 from scheduler.prefix import CONTEXT_ID_PATTERN
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: the context's tail is stored too
 
 _HEX64 = r"^[0-9a-f]{64}$"
 
@@ -22,13 +22,20 @@ class Manifest(BaseModel):
     chunk_size: int = Field(gt=0)
     tokens: int = Field(ge=0)
     chunk_keys: list[str]
+    tail_key: str | None = Field(None, pattern=_HEX64)  # the trailing partial chunk, when stored
+    tail_tokens: int = Field(0, ge=0)
     level_bytes: dict[str, int]  # level name -> bytes stored for all chunks at that level
     created: int
     encode_seconds: float = Field(ge=0)
 
     @property
     def cached_tokens(self) -> int:
-        return len(self.chunk_keys) * self.chunk_size
+        return len(self.chunk_keys) * self.chunk_size + self.tail_tokens
+
+    @property
+    def stored_keys(self) -> list[str]:
+        """Every chunk and tail key whose objects this context wrote."""
+        return [*self.chunk_keys, *([self.tail_key] if self.tail_key else [])]
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
@@ -39,6 +46,10 @@ class Manifest(BaseModel):
             manifest = cls.model_validate_json(data)
         except ValidationError as exc:
             raise ManifestError(f"invalid manifest: {exc.errors()[0]['msg']}") from exc
-        if len(manifest.chunk_keys) * manifest.chunk_size > manifest.tokens:
+        if manifest.cached_tokens > manifest.tokens:
             raise ManifestError("manifest lists more chunks than its tokens fill")
+        if (manifest.tail_key is None) != (manifest.tail_tokens == 0) or (
+            manifest.tail_tokens >= manifest.chunk_size
+        ):
+            raise ManifestError("manifest has an inconsistent tail")
         return manifest

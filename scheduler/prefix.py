@@ -20,7 +20,8 @@ import torch
 from codec import FORMAT_VERSION as CODEC_FORMAT_VERSION
 
 # Bump when the meaning of stored objects changes (key derivation, object layout).
-STORAGE_FORMAT_VERSION = 1
+# 2: level digests in object names, a per-prefix index, stored context tails.
+STORAGE_FORMAT_VERSION = 2
 
 _WEIGHT_SAMPLES_PER_TENSOR = 4096
 
@@ -81,6 +82,14 @@ def chunk_keys(fingerprint: Fingerprint, token_ids: Sequence[int], chunk_size: i
         previous = hashlib.sha256(previous + _token_bytes(token_ids[start : start + chunk_size])).digest()
         keys.append(previous.hex())
     return keys
+
+
+def tail_key(parent: str, tail_tokens: Sequence[int]) -> str:
+    """Key of a context's trailing partial chunk, stored under the last full chunk's key ``parent``.
+
+    Domain-separated from chunk keys, so a tail never collides with a full chunk of the same tokens.
+    """
+    return hashlib.sha256(bytes.fromhex(parent) + b"tail" + _token_bytes(tail_tokens)).hexdigest()
 
 
 CONTEXT_ID_PATTERN = r"^ctx-[0-9a-f]{32}$"

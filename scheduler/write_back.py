@@ -39,20 +39,24 @@ class WriteBack:
         self._pending = 0
         self._lock = threading.Lock()
 
-    def submit(self, keys: Sequence[str], cache, first: int) -> None:
+    def submit(self, keys: Sequence[str], cache, first: int, exact: bool) -> None:
+        """Store chunks ``first..len(keys)`` of ``cache``. ``exact``: every token before them came
+        from exact KV; otherwise their KV carries the loss of a lossy prefix, and lossless levels,
+        which readers serve as exact, are not written."""
+        levels = self.levels if exact else [lv for lv in self.levels if not lv.lossless]
         with self._lock:
-            if self._pending >= self.max_pending:
+            if self._pending >= self.max_pending or not levels:
                 self.on_done("dropped")
                 return
             self._pending += 1
         tokens = len(keys) * self.contexts.chunk_size
         layers = [(layer.keys, layer.values) for layer in cache.layers]
-        self._executor.submit(self._store, list(keys), layers, tokens, first)
+        self._executor.submit(self._store, list(keys), layers, tokens, first, levels)
 
-    def _store(self, keys: list[str], layers: list, tokens: int, first: int) -> None:
+    def _store(self, keys: list[str], layers: list, tokens: int, first: int, levels: list[Level]) -> None:
         try:
             kv = torch.stack([torch.stack((k[0, :, :tokens], v[0, :, :tokens])) for k, v in layers]).cpu()
-            self.contexts.save_chunks(keys, kv, self.levels, first=first)
+            self.contexts.save_chunks(keys, kv, levels, first=first)
             self.on_done("stored")
         except StorageError as exc:
             log.warning("write-back of %d chunks failed: %s", len(keys) - first, exc)

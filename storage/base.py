@@ -73,6 +73,14 @@ class ObjectStore(abc.ABC):
     def exists_many(self, keys: Iterable[str]) -> list[bool]:
         return [self.head(k) is not None for k in keys]
 
+    def resident_many(self, keys: Iterable[str]) -> list[bool]:
+        """Whether each object is in this process's memory (a read costs no transfer).
+
+        Planners use it to price a fetch; it is a hint, never a promise that a
+        later ``get`` succeeds. Stores that always go over a link say False.
+        """
+        return [False for _ in keys]
+
     def close(self) -> None:
         """Release connections; the default has nothing to release."""
 

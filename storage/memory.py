@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from storage.base import ObjectInfo, ObjectStore, check_key
 from storage.errors import ObjectNotFound
@@ -32,6 +32,9 @@ class MemoryStore(ObjectStore):
     def head(self, key: str) -> ObjectInfo | None:
         blob = self._objects.get(check_key(key))
         return None if blob is None else ObjectInfo(key, len(blob))
+
+    def resident_many(self, keys: Iterable[str]) -> list[bool]:
+        return [k in self._objects for k in keys]
 
     def delete(self, key: str) -> None:
         with self._lock:

@@ -165,6 +165,12 @@ class LRUCacheStore(ObjectStore):
                 out[i] = present
         return out
 
+    def resident_many(self, keys: Iterable[str]) -> list[bool]:
+        keys = list(keys)
+        with self._lock:
+            cached = [k in self._entries for k in keys]
+        return [c or r for c, r in zip(cached, self.backend.resident_many(keys), strict=True)]
+
     # -- writes and pass-through -----------------------------------------------
 
     def put(self, key: str, data: bytes | memoryview) -> None:

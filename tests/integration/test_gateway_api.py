@@ -83,7 +83,9 @@ def test_lossless_reuse_gives_identical_greedy_output(client, encoded_context):
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert reused.choices[0].message.content == fresh.choices[0].message.content
     info = reused.model_extra["kv_cache_info"]
+    # every full chunk, and the context's tail: the question is all that is prefilled
     assert [c["level"] for c in info["chunks"]] == ["lossless"] * encoded_context["chunks"]
+    assert info["cached_tokens"] == encoded_context["tokens"]
     assert info["cached_tokens"] + info["recomputed_tokens"] == reused.usage.prompt_tokens
 
 
@@ -102,7 +104,9 @@ def test_completions_echo_logprobs_with_reused_prefix(client, gateway, tokenizer
     ids = tokenizer(CONTEXT)["input_ids"][:600]
     r = httpx.post(f"{gateway.url}/contexts", json={"prompt_token_ids": ids[:512]}, timeout=300)
     assert r.status_code == 200 and r.json()["cached_tokens"] == 512
-    out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=0, echo=True, logprobs=2)
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=ids, max_tokens=0, echo=True, logprobs=2, extra_body={"kv_quality": "lossless"}
+    )
     lp = out.choices[0].logprobs
     assert len(lp.token_logprobs) == len(ids)
     assert out.usage.prompt_tokens_details.cached_tokens == 512

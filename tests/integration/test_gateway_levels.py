@@ -40,18 +40,25 @@ def test_each_level_is_stored_and_served(gateway, ids):
         assert {c["level"] for c in info["chunks"]} == {name}
         assert sum(c["bytes"] for c in info["chunks"]) == created["bytes"][name]
         assert out["choices"][0]["text"]
-    # auto takes the best level stored
+    # auto: the chunks were just written through the in-memory tier, so lossless costs no
+    # transfer and the least decode: nothing is faster, so nothing of lower quality is taken
     assert {c["level"] for c in complete(gateway.url, ids)["kv_cache_info"]["chunks"]} == {LEVELS[0]}
 
 
-def test_auto_falls_back_to_the_levels_that_exist(gateway, ids):
+def test_auto_respects_the_quality_floor_unless_given_a_budget(gateway, ids):
     other = ids[:300][::-1] + ids[300:]
-    name = LEVELS[-1]
+    name = LEVELS[-1]  # below the default floor
     created = httpx.post(
         f"{gateway.url}/contexts", json={"prompt_token_ids": other, "levels": [name]}, timeout=600
     ).json()
     assert list(created["bytes"]) == [name]
-    out = complete(gateway.url, other)
-    assert {c["level"] for c in out["kv_cache_info"]["chunks"]} == {name}
-    # asking for a level that is not stored recomputes
+    assert complete(gateway.url, other)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # a budget lets auto use any level (here the only one there is, or text when that is faster)
+    out = complete(gateway.url, other, kv_slo_ms=60_000)
+    sources = {c["level"] or c["source"] for c in out["kv_cache_info"]["chunks"]}
+    assert sources <= {name, "text"} and name in sources
+    assert out["kv_cache_info"]["budget_ms"] == 60_000 and out["kv_cache_info"]["slo_met"] is True
+    # a named level is used as is; one that is not stored recomputes
+    named = complete(gateway.url, other, kv_quality=name)["kv_cache_info"]
+    assert named["cached_tokens"] == 512 and {c["level"] for c in named["chunks"]} == {name}
     assert complete(gateway.url, other, kv_quality="lossless")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from codec import LOSSLESS, level_digest
+from scheduler.layout import object_name
 from tests.conftest import MODEL_NAME
 from tests.gateway_process import GatewayProcess
 
@@ -60,7 +62,8 @@ def metric(url: str, name: str, **labels: str) -> float:
 def chunk_object_keys(server, bucket: str, context_id: str) -> list[str]:
     client = server.client()
     manifest = json.loads(client.get_object(Bucket=bucket, Key=f"{PREFIX}/contexts/{context_id}.json")["Body"].read())
-    return [f"{PREFIX}/kv/{key}/lossless" for key in manifest["chunk_keys"]]
+    name = object_name("lossless", level_digest(LOSSLESS))
+    return [f"{PREFIX}/kv/{key}/{name}" for key in manifest["chunk_keys"]]
 
 
 def test_encode_restart_and_hit_from_s3(tmp_path, seaweed, s3_bucket, prompt_ids):

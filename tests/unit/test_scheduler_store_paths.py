@@ -1,24 +1,40 @@
-"""ContextStore and PrefixLoader over a memory store, with synthetic KV and real faults."""
+"""ContextStore, the prefix index and PrefixLoader over a memory store, with synthetic KV and real faults."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from codec import LOSSLESS
+from codec import DEFAULT_LEVELS, LOSSLESS, Level, Scheme, level_digest
+from codec.quantized import QuantParams
 from scheduler.contexts import ContextStore
-from scheduler.errors import ContextNotFound, ManifestError
+from scheduler.errors import ContextNotFound, ManifestError, PrefixIndexError
 from scheduler.geometry import KVGeometry
-from scheduler.layout import chunk_object_key, manifest_key
-from scheduler.loader import PrefixLoader
+from scheduler.index import PrefixIndex
+from scheduler.layout import chunk_object_key, index_key, manifest_key
+from scheduler.loader import KVRequest, PrefixLoader
 from scheduler.manifest import Manifest
 from scheduler.prefix import make_fingerprint
+from scheduler.profile import CostProfile
+from scheduler.stored import find_stored_prefix
+from scheduler.write_back import WriteBack
 from storage.memory import MemoryStore
 
 CHUNK = 8
 GEOMETRY = KVGeometry(layers=2, kv_heads=1, head_dim=4)
+LOSSLESS_DIGEST = level_digest(LOSSLESS)
+# a lossy level for 2-layer synthetic KV (the shipped table's steps are per layer of the real model)
+MEDIUM = Level("medium", Scheme.QUANT, lossless=False, quant=QuantParams(key_step=(0.5,), value_step=(0.5,)))
+
+
+class BufferOnlyRunner:
+    """What the loader asks of the model runner when every chunk comes from the store."""
+
+    def new_kv(self, tokens: int) -> torch.Tensor:
+        return torch.full(GEOMETRY.chunk_shape(tokens), float("nan"))
 
 
 @pytest.fixture
@@ -27,9 +43,18 @@ def parts():
     pool = ThreadPoolExecutor(4)
     fp = make_fingerprint(weights="w", config={}, vocabulary="v", chunk_size=CHUNK)
     contexts = ContextStore(store, fp, "m", CHUNK, pool)
-    loader = PrefixLoader(store, GEOMETRY, CHUNK, pool)
+    profile = CostProfile({"lossless": 1e-6}, 0.0, 1e-3, 0.0)
+    loader = PrefixLoader(store, GEOMETRY, pool, profile)
     yield store, contexts, loader
     pool.shutdown()
+
+
+def load(contexts, loader, tokens, levels=(LOSSLESS,)):
+    """Load the stored prefix of ``tokens + [one more]`` at the first of ``levels``, as a request would."""
+    keys = contexts.keys(tokens)
+    stored = find_stored_prefix(contexts.store, contexts.fingerprint, CHUNK, keys, tokens, list(levels))
+    request = KVRequest(list(levels), {lv.name: i for i, lv in enumerate(levels)}, fixed=True)
+    return loader.load(BufferOnlyRunner(), stored, tokens, request, len(tokens) + 1, time.perf_counter())
 
 
 def kv_for(tokens: int, seed: int = 0) -> torch.Tensor:
@@ -37,45 +62,106 @@ def kv_for(tokens: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(GEOMETRY.chunk_shape(tokens), generator=g)
 
 
-def test_save_then_load_is_exact(parts):
+def test_save_then_load_is_exact_tail_included(parts):
     store, contexts, loader = parts
-    tokens = list(range(30))  # 3 full chunks + 6 tokens
+    tokens = list(range(30))  # 3 full chunks + a 6-token tail
     kv = kv_for(30)
     manifest = contexts.save(tokens, kv, [LOSSLESS], compute_seconds=0.0)
-    assert manifest.cached_tokens == 24 and len(manifest.chunk_keys) == 3
-    load = loader.load(contexts.keys(tokens), [LOSSLESS])
-    assert load.tokens == 24 and load.faults == []
-    assert torch.equal(load.kv, kv[:, :, :, :24])
+    assert manifest.cached_tokens == 30 and len(manifest.chunk_keys) == 3 and manifest.tail_tokens == 6
+    result = load(contexts, loader, tokens)
+    assert result.tokens == 30 and result.faults == [] and result.exact
+    assert [c.tokens for c in result.chunks] == [8, 8, 8, 6]
+    assert torch.equal(result.kv, kv)
     assert contexts.get(manifest.id) == manifest
     assert [m.id for m in contexts.list()] == [manifest.id]
 
 
-def test_miss_costs_no_fetch(parts):
+def test_tail_is_used_only_when_the_request_continues_with_its_tokens(parts):
+    _, contexts, loader = parts
+    tokens = list(range(30))
+    contexts.save(tokens, kv_for(30), [LOSSLESS], 0.0)
+    assert load(contexts, loader, tokens[:27] + [999, 999, 999]).tokens == 24  # other tail tokens
+    assert load(contexts, loader, tokens[:29]).tokens == 24  # the tail is longer than the request
+    assert load(contexts, loader, tokens + [5, 6]).tokens == 30
+
+
+def test_index_lists_sizes_and_digests(parts):
+    store, contexts, _ = parts
+    tokens = list(range(20))
+    levels = [LOSSLESS, MEDIUM]
+    manifest = contexts.save(tokens, kv_for(20), levels, 0.0)
+    index = PrefixIndex.from_bytes(store.get(index_key(manifest.chunk_keys[0])))
+    assert set(index.chunks) == set(manifest.chunk_keys) and set(index.tails) == {manifest.tail_key}
+    for key, entry in index.chunks.items():
+        for level in levels:
+            obj = entry.objects[level.name]
+            assert obj.digest == level_digest(level)
+            assert store.head(chunk_object_key(key, level.name, obj.digest)).size == obj.bytes
+    assert sum(
+        o.bytes for e in [*index.chunks.values(), *index.tails.values()] for o in e.objects.values()
+    ) == sum(manifest.level_bytes.values())
+
+
+def test_level_of_another_table_is_not_read(parts):
     store, contexts, loader = parts
-    load = loader.load(contexts.keys(list(range(16))), [LOSSLESS])
-    assert load.kv is None and load.tokens == 0 and load.faults == []
+    tokens = list(range(16))
+    contexts.save(tokens, kv_for(16), [MEDIUM], 0.0)
+    other = Level("medium", Scheme.QUANT, lossless=False, quant=QuantParams(key_step=(9.0,), value_step=(9.0,)))
+    assert level_digest(other) != level_digest(MEDIUM)
+    assert load(contexts, loader, tokens, [MEDIUM]).tokens == 16
+    assert load(contexts, loader, tokens, [other]).tokens == 0
+
+
+def test_miss_costs_one_index_read(parts):
+    store, contexts, loader = parts
+    result = load(contexts, loader, list(range(16)))
+    assert result.kv is None and result.tokens == 0 and result.faults == []
 
 
 def test_corrupt_chunk_ends_the_prefix(parts):
     store, contexts, loader = parts
     tokens = list(range(24))
     contexts.save(tokens, kv_for(24), [LOSSLESS], 0.0)
-    keys = contexts.keys(tokens)
-    key = chunk_object_key(keys[1], "lossless")
+    key = chunk_object_key(contexts.keys(tokens)[1], "lossless", LOSSLESS_DIGEST)
     blob = bytearray(store.get(key))
     blob[100] ^= 0x01
     store.put(key, bytes(blob))
-    load = loader.load(keys, [LOSSLESS])
-    assert load.tokens == CHUNK and load.faults == ["corrupt_chunk"]
+    result = load(contexts, loader, tokens)
+    assert result.tokens == CHUNK and result.faults == ["corrupt_chunk"]
 
 
 def test_missing_middle_chunk_ends_the_prefix(parts):
     store, contexts, loader = parts
     tokens = list(range(24))
     contexts.save(tokens, kv_for(24), [LOSSLESS], 0.0)
-    keys = contexts.keys(tokens)
-    store.delete(chunk_object_key(keys[2], "lossless"))
-    assert loader.load(keys, [LOSSLESS]).tokens == 2 * CHUNK
+    store.delete(chunk_object_key(contexts.keys(tokens)[2], "lossless", LOSSLESS_DIGEST))
+    result = load(contexts, loader, tokens)
+    assert result.tokens == 2 * CHUNK and result.faults == ["object_missing"]
+
+
+@pytest.mark.parametrize("blob", [b"garbage", b"{}", b'{"version": 1}', b"\x00" * 10])
+def test_corrupt_index_is_a_miss_with_a_fault(parts, blob):
+    store, contexts, loader = parts
+    tokens = list(range(16))
+    contexts.save(tokens, kv_for(16), [LOSSLESS], 0.0)
+    store.put(index_key(contexts.keys(tokens)[0]), blob)
+    result = load(contexts, loader, tokens)
+    assert result.tokens == 0 and result.faults == ["corrupt_index"]
+
+
+def test_index_of_another_fingerprint_is_refused(parts):
+    store, contexts, loader = parts
+    tokens = list(range(16))
+    contexts.save(tokens, kv_for(16), [LOSSLESS], 0.0)
+    key = index_key(contexts.keys(tokens)[0])
+    index = PrefixIndex.from_bytes(store.get(key))
+    store.put(key, index.model_copy(update={"fingerprint": "0" * 64}).to_bytes())
+    assert load(contexts, loader, tokens).faults == ["corrupt_index"]
+
+
+def test_oversized_index_is_refused():
+    with pytest.raises(PrefixIndexError):
+        PrefixIndex.from_bytes(b" " * (9 * 2**20))
 
 
 def test_chunk_of_another_shape_is_refused(parts):
@@ -83,20 +169,55 @@ def test_chunk_of_another_shape_is_refused(parts):
     tokens = list(range(8))
     other = ContextStore(store, contexts.fingerprint, "m", CHUNK, contexts.pool)
     other.save(tokens, torch.randn(3, 2, 1, 8, 4), [LOSSLESS], 0.0)  # 3 layers, the model has 2
-    load = loader.load(contexts.keys(tokens), [LOSSLESS])
-    assert load.tokens == 0 and load.faults == ["shape_mismatch"]
+    result = load(contexts, loader, tokens)
+    assert result.tokens == 0 and result.faults == ["shape_mismatch"]
 
 
 def test_delete_keeps_chunks_shared_with_another_context(parts):
     store, contexts, loader = parts
-    short, long = list(range(16)), list(range(24))
-    kv = kv_for(24)
+    short, long = list(range(16)), list(range(28))
+    kv = kv_for(28)
     a = contexts.save(short, kv[:, :, :, :16], [LOSSLESS], 0.0)
-    contexts.save(long, kv, [LOSSLESS], 0.0)
+    b = contexts.save(long, kv, [LOSSLESS], 0.0)
     contexts.delete(a.id)
     with pytest.raises(ContextNotFound):
         contexts.get(a.id)
-    assert loader.load(contexts.keys(long), [LOSSLESS]).tokens == 24
+    assert load(contexts, loader, long).tokens == 28
+    contexts.delete(b.id)
+    assert list(store.list("kv/")) == []  # every chunk, tail and the index are gone
+
+
+def test_write_back_after_a_lossy_prefix_stores_no_lossless(parts):
+    """Provenance: KV computed on top of lossy KV is not exact, so it must never be served as lossless."""
+    store, contexts, _ = parts
+    medium = MEDIUM
+    tokens = list(range(32))
+    kv = kv_for(32)
+    cache = _Cache(kv)
+    write_back = WriteBack(contexts, [LOSSLESS, medium])
+    keys = contexts.keys(tokens)
+    write_back.submit(keys, cache, first=2, exact=False)
+    write_back.submit(contexts.keys(tokens[:16]), cache, first=0, exact=True)
+    write_back.drain()
+    index = PrefixIndex.from_bytes(store.get(index_key(keys[0])))
+    assert set(index.chunks[keys[0]].objects) == {"lossless", "medium"}  # exact: both
+    assert set(index.chunks[keys[2]].objects) == {"medium"}  # after a lossy prefix: lossy only
+    assert set(index.chunks[keys[3]].objects) == {"medium"}
+    write_back.shutdown()
+
+
+class _Cache:
+    """A cache's per-layer (1, heads, tokens, dim) tensors, as WriteBack reads them."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.layers = [
+            _Layer(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0)) for layer in range(kv.shape[0])
+        ]
+
+
+class _Layer:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values = keys, values
 
 
 def test_unknown_and_malformed_ids(parts):
@@ -120,3 +241,7 @@ def test_broken_manifest_is_skipped_when_listing(parts):
     contexts.save(list(range(8)), kv_for(8), [LOSSLESS], 0.0)
     store.put(manifest_key("ctx-" + "1" * 32), b"garbage")
     assert len(contexts.list()) == 1
+
+
+def test_default_levels_have_distinct_digests():
+    assert len({level_digest(lv) for lv in DEFAULT_LEVELS}) == len(DEFAULT_LEVELS)

@@ -2,7 +2,8 @@
 
 Runs synchronously on the worker thread and reports through ``emit``:
 ``PromptDone`` once the prompt is processed (the first token follows), then
-``TokenEvent`` per generated token, then ``Finished``.
+``TokenEvent`` per generated token, then ``Finished``. Events are engine-level
+objects; the HTTP layer turns them into protocol messages.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from typing import Any
 
 import torch
 
-from app.protocol import KVCacheInfo, KVChunkInfo
-from codec import Level
 from engine import ModelRunner
 from engine.detokenize import IncrementalText
 from engine.sampling import SamplingParams
 from scheduler.contexts import ContextStore
-from scheduler.loader import PrefixLoad, PrefixLoader
+from scheduler.loader import ChunkReport, KVRequest, PrefixLoad, PrefixLoader
+from scheduler.stored import StoredPrefix, find_stored_prefix
 from scheduler.write_back import WriteBack
 
 
@@ -32,7 +32,7 @@ class GenerationJob:
     max_tokens: int
     sampling: SamplingParams
     stops: list[str]
-    levels: list[Level]  # empty: do not use stored KV
+    kv: KVRequest | None  # None: do not use stored KV
     prompt_logprobs: int | None = None  # echo: logprobs of the prompt tokens, with this many top entries
     logprobs: int | None = None  # logprobs of generated tokens, with this many top entries
 
@@ -45,8 +45,28 @@ class TokenLogprob:
 
 
 @dataclass
+class PrefixReport:
+    """Where the prompt's KV came from, and what it cost."""
+
+    cached_tokens: int  # from the store
+    recomputed_tokens: int  # prefilled: text chunks and everything after the prefix
+    chunks: list[ChunkReport]
+    load_ms: float  # lookup, fetch, decode and text chunks
+    prefill_ms: float  # the prefill after the prefix
+    faults: list[str]
+    bandwidth_bps: float | None = None  # the link estimate, bytes per second
+    budget_ms: float | None = None
+    planned_ms: float | None = None  # what the first plan predicted for the prompt
+    prompt_ms: float = 0.0  # load + prefill: what the budget is held to
+
+    @property
+    def slo_met(self) -> bool | None:
+        return None if self.budget_ms is None else self.prompt_ms <= self.budget_ms
+
+
+@dataclass
 class PromptDone:
-    kv_info: KVCacheInfo
+    kv_info: PrefixReport
     prompt_logprobs: list[TokenLogprob] | None
 
 
@@ -65,7 +85,7 @@ class Finished:
 
 
 @dataclass
-class Pipeline:
+class RequestExecutor:
     runner: ModelRunner
     contexts: ContextStore
     loader: PrefixLoader
@@ -74,30 +94,31 @@ class Pipeline:
     def run(self, job: GenerationJob, emit: Callable[[Any], None], cancel: threading.Event) -> None:
         tokenizer = self.runner.tokenizer
         t0 = time.perf_counter()
-        # the last prompt token is always recomputed: its logits give the first output token
-        keys = self.contexts.keys(job.prompt_ids[:-1]) if job.levels else []
-        load = self.loader.load(keys, job.levels) if keys else PrefixLoad(kv=None)
+        load = self._load_prefix(job, t0, cancel)
         t1 = time.perf_counter()
         cached = load.tokens
         state = self.runner.prefill(
             job.prompt_ids[cached:], load.kv, want_prompt_logits=job.prompt_logprobs is not None
         )
         t2 = time.perf_counter()
-        load.kv = None  # the cache made its own copy: free the decoded tensors before decoding
-        if self.write_back is not None and len(keys) > len(load.chunks):
-            self.write_back.submit(keys, state.cache, first=len(load.chunks))
+        load.kv = None  # the cache holds what it needs: free the buffer before decoding
+        self.loader.profile.observe_prefill(len(job.prompt_ids) - cached, cached, t2 - t1)
+        self._write_back(job, load, state.cache)
         prompt_lp = None
         if job.prompt_logprobs is not None:
             prompt_lp = self._prompt_logprobs(job, cached, state.prompt_logits)
-        info = KVCacheInfo(
-            cached_tokens=cached,
-            recomputed_tokens=len(job.prompt_ids) - cached,
-            chunks=[
-                KVChunkInfo(index=c.index, tokens=c.tokens, level=c.level, bytes=c.bytes) for c in load.chunks
-            ],
-            load_ms=round((t1 - t0) * 1000, 2),
-            prefill_ms=round((t2 - t1) * 1000, 2),
+        budget = job.kv.budget_s if job.kv is not None else None
+        info = PrefixReport(
+            cached_tokens=load.stored_tokens,
+            recomputed_tokens=len(job.prompt_ids) - load.stored_tokens,
+            chunks=load.chunks,
+            load_ms=_ms(t1 - t0),
+            prefill_ms=_ms(t2 - t1),
             faults=load.faults,
+            bandwidth_bps=load.bandwidth_bps,
+            budget_ms=None if budget is None else _ms(budget),
+            planned_ms=None if load.planned_s is None else _ms(load.planned_s),
+            prompt_ms=_ms(t2 - t0),
         )
         emit(PromptDone(info, prompt_lp))
 
@@ -123,6 +144,35 @@ class Pipeline:
         finally:
             generator.close()
         emit(Finished(reason, produced, text.finish()))
+
+    def _load_prefix(self, job: GenerationJob, started: float, cancel: threading.Event) -> PrefixLoad:
+        # the last prompt token is always recomputed: its logits give the first output token
+        usable = job.prompt_ids[:-1]
+        if job.kv is None:
+            return PrefixLoad(kv=None)
+        keys = self.contexts.keys(usable)
+        stored = StoredPrefix()
+        if keys:
+            stored = find_stored_prefix(
+                self.contexts.store,
+                self.contexts.fingerprint,
+                self.contexts.chunk_size,
+                keys,
+                usable,
+                job.kv.levels,
+            )
+        if not stored.chunks:
+            return PrefixLoad(kv=None, faults=stored.faults)
+        return self.loader.load(self.runner, stored, usable, job.kv, len(job.prompt_ids), started, cancel)
+
+    def _write_back(self, job: GenerationJob, load: PrefixLoad, cache: Any) -> None:
+        """Store the full chunks after the loaded prefix (a miss), if write-back is on."""
+        if self.write_back is None or job.kv is None:
+            return
+        keys = self.contexts.keys(job.prompt_ids[:-1])
+        first = load.tokens // self.contexts.chunk_size
+        if len(keys) > first:
+            self.write_back.submit(keys, cache, first=first, exact=load.exact)
 
     def _token_logprob(self, token: int, logits: torch.Tensor, top: int) -> TokenLogprob:
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -162,3 +212,7 @@ class Pipeline:
 
     def _piece(self, token: int) -> str:
         return self.runner.tokenizer.decode([token])
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)

@@ -1,0 +1,122 @@
+"""The per-prefix index: what is stored under one first chunk, and how big each object is.
+
+One JSON object at ``kv/<first chunk key>/index.json`` lists every chunk and
+context tail stored in chains that start with that chunk, with the bytes of
+each level's object and the digest of the level parameters that wrote it. A
+request reads it with one GET and can then plan its whole prefix (level per
+chunk, or text) before fetching anything. A missing index is a miss.
+
+Writers merge their entries into the index (read, union, write). Two writers
+racing on the same first chunk can lose one's entries; the cost is a later
+miss for those chunks (they are recomputed, and write-back stores them again),
+never wrong bytes: every object is still checked when it is read.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from scheduler.errors import PrefixIndexError
+
+INDEX_VERSION = 1
+MAX_INDEX_BYTES = 8 * 2**20  # bounds what a reader parses; ~20K entries
+MAX_ENTRIES = 16384
+
+_HEX64 = r"^[0-9a-f]{64}$"
+_HEX16 = r"^[0-9a-f]{16}$"
+_LEVEL = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class StoredObject(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    digest: str = Field(pattern=_HEX16)
+    bytes: int = Field(gt=0)
+
+
+class ChunkEntry(BaseModel):
+    """A full chunk: its objects by level name."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    objects: dict[str, StoredObject]
+
+    @model_validator(mode="after")
+    def _names(self) -> ChunkEntry:
+        _check_level_names(self.objects)
+        return self
+
+
+class TailEntry(ChunkEntry):
+    """A context's trailing partial chunk, following the full chunk ``parent``."""
+
+    parent: str = Field(pattern=_HEX64)
+    tokens: int = Field(gt=0)
+
+
+def _check_level_names(objects: dict[str, StoredObject]) -> None:
+    import re
+
+    for name in objects:
+        if not re.fullmatch(_LEVEL, name):
+            raise ValueError(f"bad level name {name!r}")
+
+
+class PrefixIndex(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(INDEX_VERSION, ge=1, le=INDEX_VERSION)
+    fingerprint: str = Field(pattern=_HEX64)
+    chunk_size: int = Field(gt=0)
+    chunks: dict[str, ChunkEntry] = {}
+    tails: dict[str, TailEntry] = {}
+
+    @model_validator(mode="after")
+    def _bounded(self) -> PrefixIndex:
+        import re
+
+        if len(self.chunks) + len(self.tails) > MAX_ENTRIES:
+            raise ValueError(f"more than {MAX_ENTRIES} entries")
+        for key in (*self.chunks, *self.tails):
+            if not re.fullmatch(_HEX64, key):
+                raise ValueError(f"bad chunk key {key[:80]!r}")
+        for tail in self.tails.values():
+            if tail.tokens >= self.chunk_size:
+                raise ValueError("a tail must be shorter than a chunk")
+        return self
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PrefixIndex:
+        if len(data) > MAX_INDEX_BYTES:
+            raise PrefixIndexError(f"index of {len(data)} bytes exceeds {MAX_INDEX_BYTES}")
+        try:
+            return cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise PrefixIndexError(f"invalid prefix index: {exc.errors()[0]['msg']}") from exc
+
+    def merged(self, other: PrefixIndex) -> PrefixIndex:
+        """This index with ``other``'s entries added (an entry's objects are united per level)."""
+        chunks = dict(self.chunks)
+        for key, entry in other.chunks.items():
+            old = chunks.get(key)
+            chunks[key] = entry if old is None else ChunkEntry(objects={**old.objects, **entry.objects})
+        tails = dict(self.tails)
+        for key, tail in other.tails.items():
+            old = tails.get(key)
+            tails[key] = (
+                tail if old is None else tail.model_copy(update={"objects": {**old.objects, **tail.objects}})
+            )
+        return self.model_copy(update={"chunks": chunks, "tails": tails})
+
+    def without(self, keys: set[str]) -> PrefixIndex:
+        """This index less the chunks and tails in ``keys``, and tails whose parent is gone."""
+        chunks = {k: v for k, v in self.chunks.items() if k not in keys}
+        tails = {k: v for k, v in self.tails.items() if k not in keys and v.parent not in keys}
+        return self.model_copy(update={"chunks": chunks, "tails": tails})
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks and not self.tails

@@ -1,0 +1,164 @@
+"""Measured costs of this machine and model: decode time per level, prefill time per token.
+
+The planner needs them before the first request, so they are measured at
+start-up (about two seconds on 2 CPU cores) and cached as JSON in the cache
+directory, keyed by everything that changes them: model fingerprint, device,
+dtype, thread count, chunk size and level digests. While serving, every
+decode and prefill the gateway runs corrects them (a moving average), so a
+machine that becomes busier is planned for as it is now.
+
+Prefill of ``n`` tokens after ``past`` cached ones is modelled as
+``overhead + n * (per_token + per_token_position * (past + n / 2))``:
+attention makes later tokens dearer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from codec import Level, decode_chunk, encode_chunk, level_digest
+from engine import ModelRunner
+
+log = logging.getLogger(__name__)
+
+PROFILE_VERSION = 1
+_EWMA = 0.3  # weight of the newest measurement
+
+
+@dataclass
+class CostProfile:
+    decode_s_per_token: dict[str, float]  # level -> seconds per decoded token (all layers)
+    prefill_overhead_s: float
+    prefill_s_per_token: float
+    prefill_s_per_token_position: float
+    version: int = PROFILE_VERSION
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def decode_seconds(self, level: str, tokens: int) -> float:
+        return self.decode_s_per_token.get(level, max(self.decode_s_per_token.values(), default=0.0)) * tokens
+
+    def prefill_seconds(self, tokens: int, past: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        per_token = self.prefill_s_per_token + self.prefill_s_per_token_position * (past + tokens / 2)
+        return self.prefill_overhead_s + tokens * per_token
+
+    def observe_decode(self, level: str, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        with self._lock:
+            old = self.decode_s_per_token.get(level)
+            new = seconds / tokens
+            self.decode_s_per_token[level] = new if old is None else (1 - _EWMA) * old + _EWMA * new
+
+    def observe_prefill(self, tokens: int, past: int, seconds: float) -> None:
+        """Scale the whole prefill model by how far a real prefill was from its prediction."""
+        predicted = self.prefill_seconds(tokens, past)
+        if tokens < 16 or predicted <= 0:
+            return  # tiny prefills are dominated by noise
+        factor = (1 - _EWMA) + _EWMA * min(max(seconds / predicted, 0.2), 5.0)
+        with self._lock:
+            self.prefill_overhead_s *= factor
+            self.prefill_s_per_token *= factor
+            self.prefill_s_per_token_position *= factor
+
+    def to_json(self) -> str:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        return json.dumps(data, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostProfile:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
+            raise ValueError("not a cost profile of this version")
+        decode = data["decode_s_per_token"]
+        numbers = [*decode.values(), data["prefill_overhead_s"], data["prefill_s_per_token"]]
+        numbers.append(data["prefill_s_per_token_position"])
+        if not isinstance(decode, dict) or not all(isinstance(v, int | float) and v >= 0 for v in numbers):
+            raise ValueError("cost profile has a non-numeric or negative entry")
+        return cls(
+            decode_s_per_token={str(k): float(v) for k, v in decode.items()},
+            prefill_overhead_s=float(data["prefill_overhead_s"]),
+            prefill_s_per_token=float(data["prefill_s_per_token"]),
+            prefill_s_per_token_position=float(data["prefill_s_per_token_position"]),
+        )
+
+
+def profile_key(fingerprint_hex: str, runner: ModelRunner, levels: list[Level], chunk_size: int) -> str:
+    parts = [
+        fingerprint_hex,
+        str(runner.device),
+        str(runner.loaded.dtype),
+        str(torch.get_num_threads()),
+        str(chunk_size),
+        *(f"{lv.name}.{level_digest(lv)}" for lv in levels),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def load_or_measure(
+    cache_dir: Path, key: str, runner: ModelRunner, levels: list[Level], chunk_size: int
+) -> CostProfile:
+    path = cache_dir / "profiles" / f"{key}.json"
+    try:
+        profile = CostProfile.from_json(path.read_text())
+        if all(lv.name in profile.decode_s_per_token for lv in levels):
+            log.info("cost profile from %s", path)
+            return profile
+    except FileNotFoundError:
+        pass
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring unreadable cost profile %s: %s", path, exc)
+    started = time.perf_counter()
+    profile = measure(runner, levels, chunk_size)
+    log.info("measured the cost profile in %.1f s: %s", time.perf_counter() - started, profile)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(profile.to_json())
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache dir costs a re-measure next start, nothing more
+        log.warning("could not cache the cost profile at %s: %s", path, exc)
+    return profile
+
+
+def measure(runner: ModelRunner, levels: list[Level], chunk_size: int) -> CostProfile:
+    """Prefills at two positions and of two lengths, and a decode of each level on real KV.
+
+    Each timing is the best of two runs: the profile is for planning on a quiet
+    machine, and serving corrects it for a busy one.
+    """
+    vocab = len(runner.tokenizer)
+    n, small = chunk_size, max(chunk_size // 8, 1)
+    ids = torch.randint(0, vocab, (2 * n + small,), generator=torch.Generator().manual_seed(0)).tolist()
+    runner.prefill(ids[:8])  # first-call overheads out of the way
+    kv0 = runner.kv_from_cache(runner.prefill(ids[:n]).cache)
+    t0 = min(_time(runner.prefill, ids[:n]) for _ in range(2))  # n tokens at position 0
+    t1 = min(_time(runner.prefill, ids[n : 2 * n], kv0) for _ in range(2))  # n tokens after n
+    t2 = min(_time(runner.prefill, ids[n : n + small], kv0) for _ in range(2))  # a few after n
+    # model: t = overhead + tokens * (per_token + per_position * (past + tokens / 2))
+    per_position = max((t1 - t0) / (n * n), 0.0)
+    per_token = max((t1 - t2) / (n - small) - per_position * (n + (n + small) / 2), 1e-7)
+    overhead = max(t2 - small * (per_token + per_position * (n + small / 2)), 0.0)
+
+    chunk = kv0.float().cpu().contiguous()
+    decode = {}
+    for level in levels:
+        data = encode_chunk(chunk, level)
+        decode_chunk(data)  # warm
+        decode[level.name] = min(_time(decode_chunk, data) for _ in range(3)) / chunk_size
+    return CostProfile(decode, overhead, per_token, per_position)
+
+
+def _time(fn, *args) -> float:
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
