@@ -1,144 +1,618 @@
-"""Load test: concurrent streaming chat clients against a gateway, bounded in count and time.
+"""Load test for any OpenAI-compatible deployment, in the manner of ``vllm bench serve``.
 
-Every client asks a question about one of a few pre-encoded contexts (so the
-stored-KV path is under load), streams the answer, and records TTFT, total
-latency and the status. 429s are expected once ``--concurrency`` exceeds the
-gateway's queue and are counted, not retried. Without ``--url`` it starts its
-own gateway on a temporary local store.
+Streams chat completions at a given load shape and reports TTFT, TPOT, ITL and
+end-to-end latency (mean, p50, p90, p99), request / token throughput, errors by
+status (429s, and rate-limit errors inside a stream, counted apart as rejected)
+and SLO attainment. Writes a JSON file (config, summary, one record per
+request) and a PNG plot (latency over time and its CDF; needs matplotlib,
+skipped with a note when it is missing).
 
-    python benchmarks/load_test.py --concurrency 4 --requests 24 --out benchmarks/results/load.json
+Load shape, as in vllm bench serve:
+
+* ``--request-rate R``: Poisson arrivals at R requests/s (``inf``, the default:
+  all at once);
+* ``--concurrency C``: at most C requests in flight (with ``inf``: C clients);
+* both: arrivals at R/s, never more than C in flight.
+
+Every run is bounded: ``--requests N`` and ``--duration S`` (no request is
+issued after S seconds; whichever comes first), and ``--timeout`` per request.
+
+Workload: ``--num-contexts K --context-tokens T`` builds K distinct long
+contexts of real prose (or ``--context-file`` files, one context each),
+pre-encodes each one with ``POST /contexts`` (unless ``--no-pre-encode``; only
+this gateway has that endpoint), then every request is that system message
+plus a different user question. ``--short-prompts`` sends short chat prompts
+with no context.
+
+    # against a deployment
+    python3 benchmarks/load_test.py --url http://host:8000 --num-contexts 4 --context-tokens 4096 \\
+        --request-rate 2 --concurrency 8 --requests 200 --duration 300 --max-tokens 128 --ignore-eos \\
+        --slo-ttft-ms 500 --api-key "$KEY"
+    # without --url: starts its own gateway (default model, temporary local store)
+    python3 benchmarks/load_test.py --short-prompts --concurrency 2 --requests 16 --max-tokens 16
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
-import socket
+import math
+import os
+import random
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from itertools import pairwise
 from pathlib import Path
-from urllib.parse import urlparse
+from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.gateway_bench import MODEL, percentile, real_text  # noqa: E402
-from tests.gateway_process import GatewayProcess  # noqa: E402
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PERCENTILES = (50, 90, 99)
+QUESTIONS = (
+    "What does the text say about {}?",
+    "Explain the role of {} in the text.",
+    "Summarize what the text tells us about {}.",
+    "Give one detail the text mentions about {}.",
+    "How is {} used, according to the text?",
+    "Quote the sentence that mentions {}.",
+)
+SHORT_PROMPTS = (
+    "Write one sentence about {}.",
+    "Give a short definition of {}.",
+    "Name three facts about {}.",
+    "Describe {} to a child.",
+)
+TOPICS = (
+    "rivers", "volcanoes", "bees", "the moon", "bridges", "tea", "glaciers", "owls", "compilers",
+    "bicycles", "lighthouses", "coral reefs", "chess", "bread", "comets", "violins", "deserts",
+    "maps", "clocks", "whales", "windmills", "paper", "salt", "thunderstorms",
+)  # fmt: skip
 
 
-def require_loopback(url: str) -> None:
-    host = urlparse(url).hostname or ""
-    addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    if not all(ipaddress.ip_address(a).is_loopback for a in addresses):
-        raise SystemExit(f"refusing to load-test {url}: only loopback targets are allowed")
+@dataclass
+class RequestSpec:
+    index: int
+    messages: list[dict[str, str]]
+    context: int | None
 
 
-async def one_request(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> dict:
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+@dataclass
+class RequestRecord:
+    index: int
+    context: int | None
+    issued_s: float  # since the start of the run
+    status: int | None = None  # HTTP status; None: no response (timeout, connection error)
+    error: str | None = None
+    rejected: bool = False  # 429, or a rate-limit error event in a stream that had already started
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    tpot_ms: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    output_tokens_from: str = "usage"  # "usage", or "chunks" when the server sent no usage
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    kv_cache_info: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+
+# ---------------------------------------------------------------- workload
+
+
+def load_tokenizer(name: str) -> Any:
+    """A tokenizer to size the contexts: the built-in model's, a HF one, or ~4 characters a token."""
+    if name == "chars":
+        return CharTokenizer()
+    try:
+        from transformers import AutoTokenizer
+
+        if name == "default":
+            from engine.loading import convert_default_model, default_cache_dir
+
+            return AutoTokenizer.from_pretrained(convert_default_model(default_cache_dir()))
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as exc:  # noqa: BLE001 - sizing is approximate anyway; say so and go on
+        print(f"note: tokenizer {name!r} unavailable ({exc}); sizing contexts at ~4 characters a token")
+        return CharTokenizer()
+
+
+class CharTokenizer:
+    """Duck-types the two tokenizer calls ``real_text`` makes, at 4 characters a token."""
+
+    def __call__(self, text: str) -> dict[str, list[str]]:
+        return {"input_ids": [text[i : i + 4] for i in range(0, len(text), 4)]}
+
+    def decode(self, ids: list[str]) -> str:
+        return "".join(ids)
+
+
+def build_contexts(tokenizer: Any, count: int, tokens: int) -> list[str]:
+    """``count`` distinct contexts of ``tokens`` tokens each: slices of one real-prose corpus.
+
+    The corpus holds about 20K tokens; slices wrap around it, and each context
+    opens with its own title so no two share a stored leading chunk.
+    """
+    from benchmarks.gateway_bench import real_text
+
+    corpus = tokenizer(real_text(tokenizer, min(count * tokens, 20_000)))["input_ids"]
+    contexts = []
+    for k in range(count):
+        start = (k * tokens) % len(corpus)
+        ids = [corpus[(start + i) % len(corpus)] for i in range(tokens)]
+        contexts.append(f"Document {k + 1} of {count}.\n\n{tokenizer.decode(ids)}")
+    return contexts
+
+
+def keywords(text: str, limit: int = 64) -> list[str]:
+    """Distinct long words of a context, in order: what the questions ask about."""
+    seen: dict[str, None] = {}
+    for word in text.split():
+        word = word.strip(".,;:()[]{}'\"`*")
+        if len(word) >= 7 and word.isalpha():
+            seen.setdefault(word.lower(), None)
+        if len(seen) >= limit:
+            break
+    return list(seen) or list(TOPICS)
+
+
+def build_requests(contexts: list[str], count: int, seed: int) -> list[RequestSpec]:
+    """Round-robin over the contexts; each request asks a different question (or a short prompt)."""
+    rng = random.Random(seed)
+    specs = []
+    words = [keywords(c) for c in contexts]
+    for i in range(count):
+        if not contexts:
+            prompt = SHORT_PROMPTS[i % len(SHORT_PROMPTS)].format(rng.choice(TOPICS))
+            specs.append(RequestSpec(i, [{"role": "user", "content": f"{prompt} (#{i})"}], None))
+            continue
+        k = i % len(contexts)
+        question = QUESTIONS[rng.randrange(len(QUESTIONS))].format(rng.choice(words[k]))
+        messages = [{"role": "system", "content": contexts[k]}, {"role": "user", "content": question}]
+        specs.append(RequestSpec(i, messages, k))
+    return specs
+
+
+def request_body(spec: RequestSpec, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": spec.messages,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    # extension fields only when asked for: other servers may reject unknown ones
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if args.kv_quality is not None:
+        body["kv_quality"] = args.kv_quality
+    if args.kv_slo_ms is not None:
+        body["kv_slo_ms"] = args.kv_slo_ms
+    if args.no_kv_cache:
+        body["kv_cache"] = False
+    return body
+
+
+# ---------------------------------------------------------------- one request
+
+
+async def send_request(
+    client: httpx.AsyncClient, spec: RequestSpec, body: dict[str, Any], t0: float, timeout: float
+) -> RequestRecord:
+    """Stream one chat completion; any failure becomes part of the record, never an exception."""
+    record = RequestRecord(spec.index, spec.context, time.perf_counter() - t0)
     started = time.perf_counter()
-    first = None
-    cached = 0
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return {"status": r.status_code, "latency_s": time.perf_counter() - started}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "kv_cache_info" in chunk:
-                cached = chunk["kv_cache_info"]["cached_tokens"]
-            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                first = time.perf_counter() - started
-    return {"status": 200, "ttft_s": first, "latency_s": time.perf_counter() - started, "cached_tokens": cached}
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                record.status = response.status_code
+                record.rejected = response.status_code == 429
+                if response.status_code != 200:
+                    record.error = (await response.aread()).decode(errors="replace")[:300]
+                    return record
+                await read_stream(response, record, started)
+    except TimeoutError:
+        record.error = "timeout"
+    except httpx.HTTPError as exc:
+        record.error = type(exc).__name__
+    except (ValueError, AttributeError) as exc:  # not JSON, or not shaped like a chunk
+        record.error = f"invalid stream: {exc}"[:300]
+    record.e2e_ms = (time.perf_counter() - started) * 1000
+    if record.ttft_ms is not None and record.output_tokens > 1:
+        record.tpot_ms = (record.e2e_ms - record.ttft_ms) / (record.output_tokens - 1)
+    return record
 
 
-async def run(url: str, contexts: list[str], args: argparse.Namespace) -> list[dict]:
-    questions = ["What is this about?", "Summarize it.", "Name one detail.", "Who is mentioned?"]
-    jobs = asyncio.Queue()
-    for i in range(args.requests):
-        ctx = contexts[i % len(contexts)]
-        jobs.put_nowait([{"role": "system", "content": ctx}, {"role": "user", "content": questions[i % 4]}])
-    results: list[dict] = []
-    deadline = time.monotonic() + args.max_seconds
+async def read_stream(response: httpx.Response, record: RequestRecord, started: float) -> None:
+    """Fill ``record`` from an SSE stream: content chunk times, usage, ``kv_cache_info``."""
+    chunk_times: list[float] = []
+    usage: dict[str, Any] | None = None
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            break
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
+            record.error = f"stream error: {error.get('message')}"[:300]
+            record.rejected = error.get("code") == "rate_limit_exceeded"
+            break
+        if record.kv_cache_info is None and isinstance(chunk.get("kv_cache_info"), dict):
+            info = chunk["kv_cache_info"]
+            record.kv_cache_info = {**info, "chunks": len(info.get("chunks") or [])}
+        usage = chunk.get("usage") or usage
+        if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+            chunk_times.append(time.perf_counter())
+    if chunk_times:
+        record.ttft_ms = (chunk_times[0] - started) * 1000
+        record.itl_ms = [(b - a) * 1000 for a, b in pairwise(chunk_times)]
+    record.output_tokens = len(chunk_times)
+    record.output_tokens_from = "chunks"
+    if usage is not None:
+        record.output_tokens = usage.get("completion_tokens", record.output_tokens)
+        record.output_tokens_from = "usage"
+        record.prompt_tokens = usage.get("prompt_tokens")
+        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
-    async def client_loop() -> None:
-        async with httpx.AsyncClient(timeout=600) as client:
-            while not jobs.empty() and time.monotonic() < deadline:
-                results.append(await one_request(client, url, jobs.get_nowait(), args.max_tokens))
 
-    await asyncio.gather(*(client_loop() for _ in range(args.concurrency)))
-    return results
+# ---------------------------------------------------------------- load shape
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="a running gateway (loopback only); default: start one")
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--max-seconds", type=float, default=600, help="stop issuing requests after this")
-    parser.add_argument("--contexts", type=int, default=2)
-    parser.add_argument("--context-tokens", type=int, default=1024)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/load.json"))
-    args = parser.parse_args()
+def arrival_gaps(count: int, rate: float, seed: int) -> list[float]:
+    """Seconds to wait before issuing each request: Poisson arrivals, or none at rate ``inf``."""
+    if math.isinf(rate):
+        return [0.0] * count
+    rng = random.Random(seed)
+    return [0.0] + [rng.expovariate(rate) for _ in range(count - 1)]
 
-    from transformers import AutoTokenizer
 
-    from engine.loading import convert_default_model, default_cache_dir
+async def run_load(
+    client: httpx.AsyncClient, specs: list[RequestSpec], model: str, args: argparse.Namespace
+) -> tuple[list[RequestRecord], float, int]:
+    """Issue ``specs`` at the load shape; returns the records, the run's duration and peak in-flight."""
+    limit = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+    in_flight = peak = 0
+    t0 = time.perf_counter()
+    deadline = t0 + args.duration
 
-    tokenizer = AutoTokenizer.from_pretrained(convert_default_model(default_cache_dir()))
-    base = real_text(tokenizer, args.context_tokens * args.contexts)
-    ids = tokenizer(base)["input_ids"]
-    step = len(ids) // args.contexts
-    contexts = [tokenizer.decode(ids[i * step : (i + 1) * step]) for i in range(args.contexts)]
+    async def issue(spec: RequestSpec) -> RequestRecord | None:
+        nonlocal in_flight, peak
+        async with limit if limit is not None else nullcontext():
+            if time.perf_counter() >= deadline:
+                return None  # waited for a slot past the end of the run: never issued
+            in_flight += 1
+            peak = max(peak, in_flight)
+            try:
+                return await send_request(client, spec, request_body(spec, model, args), t0, args.timeout)
+            finally:
+                in_flight -= 1
+
+    tasks = []
+    for spec, gap in zip(specs, arrival_gaps(len(specs), args.request_rate, args.seed)):
+        if gap:
+            await asyncio.sleep(min(gap, max(0.0, deadline - time.perf_counter())))
+        if time.perf_counter() >= deadline:
+            break
+        tasks.append(asyncio.create_task(issue(spec)))
+    records = [r for r in await asyncio.gather(*tasks) if r is not None]
+    return records, time.perf_counter() - t0, peak
+
+
+# ---------------------------------------------------------------- summary
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    pos = q / 100 * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def distribution(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    return {"mean": sum(values) / len(values), **{f"p{q}": percentile(values, q) for q in PERCENTILES}}
+
+
+def error_counts(records: list[RequestRecord]) -> dict[str, int]:
+    """Failures other than rejections, keyed by HTTP status, or else by what went wrong."""
+    keys = []
+    for r in records:
+        if r.ok or r.rejected:
+            continue
+        keys.append(str(r.status) if r.status not in (None, 200) else (r.error or "error").split(":")[0])
+    return dict(Counter(keys))
+
+
+def slo_summary(ok: list[RequestRecord], duration: float, args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.slo_ttft_ms is None and args.slo_e2e_ms is None:
+        return None
+
+    def meets(r: RequestRecord) -> bool:
+        ttft_ok = args.slo_ttft_ms is None or (r.ttft_ms is not None and r.ttft_ms <= args.slo_ttft_ms)
+        e2e_ok = args.slo_e2e_ms is None or (r.e2e_ms is not None and r.e2e_ms <= args.slo_e2e_ms)
+        return ttft_ok and e2e_ok
+
+    good = sum(meets(r) for r in ok)
+    return {
+        "ttft_ms": args.slo_ttft_ms,
+        "e2e_ms": args.slo_e2e_ms,
+        "attainment": good / len(ok) if ok else None,
+        "goodput_requests_per_s": good / duration if duration else None,
+    }
+
+
+def kv_summary(ok: list[RequestRecord]) -> dict[str, Any] | None:
+    infos = [r.kv_cache_info for r in ok if r.kv_cache_info]
+    if not infos:
+        return None
+    total = {key: sum(i.get(key) or 0 for i in infos) for key in ("cached_tokens", "recomputed_tokens")}
+    loads = [i["load_ms"] for i in infos if isinstance(i.get("load_ms"), int | float)]
+    return {"requests": len(infos), **total, "load_ms": distribution(loads)}
+
+
+def summarize(
+    records: list[RequestRecord], planned: int, duration: float, peak: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    prompt = sum(r.prompt_tokens or 0 for r in ok)
+    output = sum(r.output_tokens for r in ok)
+    per_s = (lambda n: n / duration) if duration else (lambda n: 0.0)
+    return {
+        "duration_s": duration,
+        "requests_planned": planned,
+        "requests_issued": len(records),
+        "requests_completed": len(ok),
+        "requests_rejected": sum(r.rejected for r in records),
+        "errors": error_counts(records),
+        "peak_in_flight": peak,
+        "total_prompt_tokens": prompt,
+        "total_output_tokens": output,
+        "total_cached_tokens": sum(r.cached_tokens or 0 for r in ok),
+        "output_tokens_from_usage": all(r.output_tokens_from == "usage" for r in ok),
+        "request_throughput": per_s(len(ok)),
+        "output_token_throughput": per_s(output),
+        "total_token_throughput": per_s(prompt + output),
+        "ttft_ms": distribution([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        "tpot_ms": distribution([r.tpot_ms for r in ok if r.tpot_ms is not None]),
+        "itl_ms": distribution([gap for r in ok for gap in r.itl_ms]),
+        "e2e_ms": distribution([r.e2e_ms for r in ok if r.e2e_ms is not None]),
+        "slo": slo_summary(ok, duration, args),
+        "kv_cache_info": kv_summary(ok),
+    }
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    def row(label: str, value: Any) -> None:
+        text = "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
+        print(f"{label:<40}{text:>12}")
+
+    print("{s:=^52}".format(s=" Serving Benchmark Result "))
+    row("Successful requests:", summary["requests_completed"])
+    row("Rejected requests (429):", summary["requests_rejected"])
+    row("Failed requests:", sum(summary["errors"].values()))
+    for key, n in summary["errors"].items():
+        row(f"  {key}:", n)
+    row("Benchmark duration (s):", summary["duration_s"])
+    row("Total input tokens:", summary["total_prompt_tokens"])
+    row("Total cached input tokens:", summary["total_cached_tokens"])
+    row("Total generated tokens:", summary["total_output_tokens"])
+    row("Peak requests in flight:", summary["peak_in_flight"])
+    row("Request throughput (req/s):", summary["request_throughput"])
+    row("Output token throughput (tok/s):", summary["output_token_throughput"])
+    row("Total token throughput (tok/s):", summary["total_token_throughput"])
+    if summary["slo"] is not None:
+        row("SLO attainment:", summary["slo"]["attainment"])
+        row("Request goodput (req/s):", summary["slo"]["goodput_requests_per_s"])
+    for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st)"),
+                       ("itl_ms", "Inter-token Latency"), ("e2e_ms", "End-to-end Latency")):  # fmt: skip
+        name = key.split("_")[0].upper()
+        print("{s:-^52}".format(s=f" {title} "))
+        row(f"Mean {name} (ms):", summary[key]["mean"])
+        for q in PERCENTILES:
+            row(f"P{q} {name} (ms):", summary[key][f"p{q}"])
+    print("=" * 52)
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def write_plot(records: list[RequestRecord], path: Path) -> bool:
+    """TTFT and e2e latency per request against issue time, and their CDFs. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed; no plot (pip install matplotlib)")
+        return False
+    ok = [r for r in records if r.ok and r.ttft_ms is not None]
+    failed = [r for r in records if not r.ok]
+    fig, (over_time, cdf) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for attr, label in (("e2e_ms", "end-to-end"), ("ttft_ms", "TTFT")):
+        over_time.scatter([r.issued_s for r in ok], [getattr(r, attr) for r in ok], s=10, label=label)
+        values = sorted(getattr(r, attr) for r in ok)
+        cdf.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=label)
+    if failed:
+        over_time.scatter(
+            [r.issued_s for r in failed], [0] * len(failed), marker="x", c="red", label="failed"
+        )
+    over_time.set(xlabel="issued at (s)", ylabel="latency (ms)", title="Latency per request")
+    cdf.set(xlabel="latency (ms)", ylabel="fraction of requests", title="Latency CDF", ylim=(0, 1.02))
+    for ax in (over_time, cdf):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def config_record(args: argparse.Namespace, url: str, model: str) -> dict[str, Any]:
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "out", "plot")}
+    config.update(url=url, model=model, api_key="set" if args.api_key else None)
+    config["request_rate"] = str(args.request_rate) if math.isinf(args.request_rate) else args.request_rate
+    config["context_file"] = [str(p) for p in args.context_file or []]
+    return config
+
+
+# ---------------------------------------------------------------- setup
+
+
+@contextmanager
+def target(url: str | None) -> Iterator[str]:
+    """The given URL, or a gateway of our own on a temporary local store for the duration."""
+    if url is not None:
+        yield url.rstrip("/")
+        return
+    from tests.gateway_process import GatewayProcess
 
     with tempfile.TemporaryDirectory() as tmp:
-        gateway = None
-        url = args.url
-        if url is None:
-            gateway = GatewayProcess({"CACHEGEN_STORE": f"file://{tmp}/store"}, Path(tmp) / "gateway.log").start()
-            url = gateway.url
-        require_loopback(url)
-        try:
-            for ctx in contexts:
-                body = {"messages": [{"role": "system", "content": ctx}], "levels": ["lossless"]}
-                httpx.post(f"{url}/contexts", json=body, timeout=900).raise_for_status()
-            started = time.perf_counter()
-            results = asyncio.run(run(url, contexts, args))
-            wall = time.perf_counter() - started
-        finally:
-            if gateway is not None:
-                gateway.stop()
+        print("starting a gateway on a temporary local store ...")
+        env = {"CACHEGEN_STORE": f"file://{tmp}/store"}
+        with GatewayProcess(env, Path(tmp) / "gateway.log") as gateway:
+            yield gateway.url
 
-    ok = [r for r in results if r["status"] == 200]
-    ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
-    lat = [r["latency_s"] for r in ok]
-    summary = {
-        "requests": len(results),
-        "concurrency": args.concurrency,
-        "wall_s": wall,
-        "statuses": dict(Counter(r["status"] for r in results)),
-        "requests_per_s": len(ok) / wall if wall else 0.0,
-        "output_tokens_per_s": len(ok) * args.max_tokens / wall if wall else 0.0,
-        "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
-        "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
-        "latency_p50_s": percentile(lat, 50) if lat else None,
-        "latency_p99_s": percentile(lat, 99) if lat else None,
-        "mean_cached_tokens": sum(r["cached_tokens"] for r in ok) / len(ok) if ok else 0,
+
+def served_model(client: httpx.Client) -> str:
+    response = client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def pre_encode(client: httpx.Client, contexts: list[str], levels: list[str] | None) -> list[dict[str, Any]]:
+    """``POST /contexts`` for each context, so requests find their KV stored."""
+    created = []
+    for k, text in enumerate(contexts):
+        body: dict[str, Any] = {"messages": [{"role": "system", "content": text}]}
+        if levels:
+            body["levels"] = levels
+        response = client.post("/contexts", json=body)
+        if response.status_code != 200:
+            raise SystemExit(
+                f"POST /contexts failed ({response.status_code}): {response.text[:300]}\n"
+                "(a server without this gateway's /contexts endpoint needs --no-pre-encode)"
+            )
+        info = response.json()
+        keys = ("id", "tokens", "cached_tokens", "chunks", "bytes", "encode_seconds")
+        created.append({"context": k, **{key: info.get(key) for key in keys}})
+        print(
+            f"pre-encoded context {k}: {info.get('tokens')} tokens in {info.get('encode_seconds', 0):.2f} s"
+        )
+    return created
+
+
+def contexts_for(args: argparse.Namespace) -> list[str]:
+    if args.short_prompts:
+        return []
+    if args.context_file:
+        return [p.read_text(errors="replace") for p in args.context_file]
+    return build_contexts(load_tokenizer(args.tokenizer), args.num_contexts, args.context_tokens)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="base URL of the deployment (no /v1); default: start a gateway")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    p.add_argument("--model", help="default: the first model of GET /v1/models")
+    load = p.add_argument_group("load shape and bounds")
+    load.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s; inf: at once")
+    load.add_argument("--concurrency", type=int, help="most requests in flight at once")
+    load.add_argument("--requests", type=int, default=64, help="requests to issue at most")
+    load.add_argument("--duration", type=float, default=600.0, help="issue no request after this (s)")
+    load.add_argument("--timeout", type=float, default=300.0, help="per request, whole stream (s)")
+    load.add_argument("--seed", type=int, default=0, help="arrivals and question choice")
+    work = p.add_argument_group("workload")
+    work.add_argument("--short-prompts", action="store_true", help="short chat prompts, no context")
+    work.add_argument("--num-contexts", type=int, default=2)
+    work.add_argument("--context-tokens", type=int, default=2048)
+    work.add_argument("--context-file", type=Path, action="append", help="a context per file (repeatable)")
+    work.add_argument("--tokenizer", default="default",
+                      help="sizes the contexts: 'default' (built-in model), a HF id or directory, 'chars'")  # fmt: skip
+    work.add_argument("--no-pre-encode", action="store_true", help="skip POST /contexts")
+    work.add_argument("--encode-levels", help="comma-separated levels to pre-encode; default: the gateway's")
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--kv-quality", help="extension field kv_quality, e.g. lossless")
+    gen.add_argument("--kv-slo-ms", type=float, help="extension field kv_slo_ms")
+    gen.add_argument("--no-kv-cache", action="store_true", help="send kv_cache: false (full prefill)")
+    out = p.add_argument_group("SLO and outputs")
+    out.add_argument("--slo-ttft-ms", type=float, help="SLO attainment: TTFT at most this")
+    out.add_argument("--slo-e2e-ms", type=float, help="SLO attainment: end-to-end latency at most this")
+    out.add_argument("--out", type=Path, help="JSON; default benchmarks/results/load_<timestamp>.json")
+    out.add_argument("--plot", type=Path, help="PNG; default next to the JSON")
+    out.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    if args.requests < 1 or args.duration <= 0 or args.timeout <= 0 or args.request_rate <= 0:
+        p.error("--requests, --duration, --timeout and --request-rate must be positive")
+    if args.concurrency is not None and args.concurrency < 1:
+        p.error("--concurrency must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    contexts = contexts_for(args)
+    specs = build_requests(contexts, args.requests, args.seed)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    out = args.out or RESULTS_DIR / f"load_{datetime.now():%Y%m%d_%H%M%S}.json"
+    with target(args.url) as url:
+        with httpx.Client(base_url=url, headers=headers, timeout=max(args.timeout, 900.0)) as setup:
+            model = args.model or served_model(setup)
+            encoded = [] if args.no_pre_encode or not contexts else pre_encode(setup, contexts, _levels(args))
+        print(f"{len(specs)} requests to {url} (model {model}) ...")
+        records, duration, peak = asyncio.run(_run(url, headers, specs, model, args))
+    summary = summarize(records, len(specs), duration, peak, args)
+    print_table(summary)
+    result = {
+        "config": config_record(args, url, model),
+        "contexts": encoded,
+        "summary": summary,
+        "requests": [asdict(r) for r in records],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"summary": summary, "results": results}, indent=2))
-    for key, value in summary.items():
-        print(f"{key:>20}: {value:.3f}" if isinstance(value, float) else f"{key:>20}: {value}")
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    plot = args.plot or out.with_suffix(".png")
+    if not args.no_plot and write_plot(records, plot):
+        print(f"wrote {plot}")
     return 0
+
+
+def _levels(args: argparse.Namespace) -> list[str] | None:
+    return [s.strip() for s in args.encode_levels.split(",")] if args.encode_levels else None
+
+
+async def _run(
+    url: str, headers: dict[str, str], specs: list[RequestSpec], model: str, args: argparse.Namespace
+) -> tuple[list[RequestRecord], float, int]:
+    pool = args.concurrency or len(specs)
+    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, limits=limits, timeout=httpx.Timeout(args.timeout)
+    ) as client:
+        return await run_load(client, specs, model, args)
 
 
 if __name__ == "__main__":
