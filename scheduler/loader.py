@@ -230,6 +230,15 @@ class _LoadRun:
                 allow_text=self.request.allow_text and measured,
             )
         )
+        log.debug(
+            "plan at chunk %d: %s (predicted %.3f s, %.1f Mbit/s%s, budget left %s)",
+            current,
+            chosen.sources,
+            chosen.predicted_s,
+            rate * 8e-6,
+            "" if measured else " assumed",
+            None if budget is None else round(budget - elapsed, 3),
+        )
         if self.result.planned_s is None:
             self.result.planned_s = elapsed + chosen.predicted_s
         self.sources[self.committed :] = chosen.sources

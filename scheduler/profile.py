@@ -57,7 +57,9 @@ class CostProfile:
         with self._lock:
             old = self.decode_s_per_token.get(level)
             new = seconds / tokens
-            self.decode_s_per_token[level] = new if old is None else (1 - _EWMA) * old + _EWMA * new
+            if old is not None:
+                new = (1 - _EWMA) * old + _EWMA * min(new, 4 * old)  # one descheduled decode is no trend
+            self.decode_s_per_token[level] = new
 
     def observe_prefill(self, tokens: int, past: int, seconds: float) -> None:
         """Scale the whole prefill model by how far a real prefill was from its prediction."""

@@ -33,16 +33,19 @@ def test_each_level_is_stored_and_served(gateway, ids):
     assert set(created["bytes"]) == set(LEVELS)
     lossless = created["bytes"]["lossless"]
     assert all(created["bytes"][name] < lossless / 4 for name in LEVELS if name != "lossless")
+    question = ids + ids[:3]  # continues past the context, so its 8-token tail is reused too
     for name in LEVELS:
-        out = complete(gateway.url, ids, kv_quality=name)
+        out = complete(gateway.url, question, kv_quality=name)
         info = out["kv_cache_info"]
-        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 512, name
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 520, name
         assert {c["level"] for c in info["chunks"]} == {name}
         assert sum(c["bytes"] for c in info["chunks"]) == created["bytes"][name]
         assert out["choices"][0]["text"]
-    # auto: the chunks were just written through the in-memory tier, so lossless costs no
-    # transfer and the least decode: nothing is faster, so nothing of lower quality is taken
-    assert {c["level"] for c in complete(gateway.url, ids)["kv_cache_info"]["chunks"]} == {LEVELS[0]}
+    # auto without a budget: the fastest plan at or above the default floor (medium); which one
+    # depends on measured costs (lossless, when it is memory-hot and decode is not disturbed)
+    auto = complete(gateway.url, ids)["kv_cache_info"]
+    assert auto["cached_tokens"] == 512
+    assert {c["level"] for c in auto["chunks"]} <= {"lossless", "high", "medium"}
 
 
 def test_auto_respects_the_quality_floor_unless_given_a_budget(gateway, ids):
