@@ -16,7 +16,7 @@ import time
 
 
 class BandwidthEstimator:
-    def __init__(self, half_life_s: float = 0.25, min_sample_s: float = 0.004) -> None:
+    def __init__(self, half_life_s: float = 0.05, min_sample_s: float = 0.004) -> None:
         self.half_life_s = half_life_s
         self.min_sample_s = min_sample_s  # shorter samples are mostly round-trip time: pooled first
         self._lock = threading.Lock()

@@ -1,0 +1,139 @@
+"""The loader's plan-as-you-go on a simulated link: real bytes, simulated time.
+
+A memory store behind a one-lane link that sleeps ``bytes / rate`` per GET
+(fetches queue for the lane, as they share a real link), and a runner whose
+text prefill sleeps the profile's recompute time. The rate can change in the
+middle of a request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from codec import LOSSLESS, Level, Scheme
+from codec.quantized import QuantParams
+from scheduler.contexts import ContextStore
+from scheduler.geometry import KVGeometry
+from scheduler.loader import KVRequest, PrefixLoader
+from scheduler.planner import TEXT
+from scheduler.prefix import make_fingerprint
+from scheduler.profile import CostProfile
+from scheduler.stored import find_stored_prefix
+from storage.memory import MemoryStore
+
+CHUNK = 16
+GEOMETRY = KVGeometry(layers=4, kv_heads=2, head_dim=16)
+MEDIUM = Level("medium", Scheme.QUANT, lossless=False, quant=QuantParams(key_step=(0.3,), value_step=(0.3,)))
+LOW = Level("low", Scheme.QUANT, lossless=False, quant=QuantParams(key_step=(1.5,), value_step=(1.5,)))
+LEVELS = [LOSSLESS, MEDIUM, LOW]
+RANKS = {lv.name: i for i, lv in enumerate(LEVELS)}
+RECOMPUTE_S = 0.04  # per chunk
+
+
+class SimulatedLink(MemoryStore):
+    def __init__(self, rate_bps: float) -> None:
+        super().__init__()
+        self.rate_bps = rate_bps
+        self._lane = threading.Lock()
+        self.gets = 0
+        self.drop_after: tuple[int, float] | None = None  # (GETs, new rate): the link degrades
+
+    def resident_many(self, keys):
+        return [False for _ in keys]
+
+    def get(self, key: str) -> bytes:
+        data = super().get(key)
+        if key.endswith("index.json"):
+            return data
+        with self._lane:
+            self.gets += 1
+            if self.drop_after is not None and self.gets > self.drop_after[0]:
+                self.rate_bps = self.drop_after[1]
+            time.sleep(len(data) / self.rate_bps)
+        return data
+
+
+class SimulatedRunner:
+    def new_kv(self, tokens: int) -> torch.Tensor:
+        return torch.zeros(GEOMETRY.chunk_shape(tokens))
+
+    def prefill_into(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> None:
+        time.sleep(RECOMPUTE_S * len(token_ids) / CHUNK)
+
+
+def setup(rate_bps: float, chunks: int = 12):
+    store = SimulatedLink(rate_bps)
+    pool = ThreadPoolExecutor(4)
+    fp = make_fingerprint(weights="w", config={}, vocabulary="v", chunk_size=CHUNK)
+    contexts = ContextStore(store, fp, "m", CHUNK, pool)
+    tokens = list(range(chunks * CHUNK))
+    kv = torch.randn(GEOMETRY.chunk_shape(len(tokens)), generator=torch.Generator().manual_seed(1))
+    store.rate_bps = 1e12  # writing is not what is measured
+    contexts.save(tokens, kv, LEVELS, 0.0)
+    store.rate_bps = rate_bps
+    # costs as a start-up profile would have measured them on this "machine"
+    profile = CostProfile({"lossless": 1e-5, "medium": 3e-5, "low": 3e-5}, 0.0, RECOMPUTE_S / CHUNK, 0.0)
+    loader = PrefixLoader(store, GEOMETRY, pool, profile)
+    return store, contexts, loader, tokens
+
+
+def run(contexts, loader, tokens, budget_s=None, levels=LEVELS):
+    stored = find_stored_prefix(
+        contexts.store, contexts.fingerprint, CHUNK, contexts.keys(tokens), tokens, levels
+    )
+    request = KVRequest(list(levels), RANKS, budget_s=budget_s)
+    started = time.perf_counter()
+    result = loader.load(SimulatedRunner(), stored, tokens, request, len(tokens) + 1, started)
+    return result, time.perf_counter() - started
+
+
+def sources(result) -> list[str]:
+    return [c.level or c.source for c in result.chunks]
+
+
+def test_fast_link_and_a_loose_budget_load_lossless():
+    store, contexts, loader, tokens = setup(rate_bps=5e6)
+    run(contexts, loader, tokens, budget_s=5.0)  # the first request measures the link
+    result, _ = run(contexts, loader, tokens, budget_s=5.0)
+    # exact KV only: lossless, or text where recomputing beside the link is faster
+    assert set(sources(result)) <= {"lossless", TEXT} and result.exact
+    assert "lossless" in sources(result)
+    assert loader.bandwidth.bytes_per_second > 2e6
+
+
+def test_slow_link_mixes_lower_levels_and_text_to_meet_a_tight_budget():
+    store, contexts, loader, tokens = setup(rate_bps=100e3)
+    run(contexts, loader, tokens[: 4 * CHUNK], budget_s=0.3)  # measure the link
+    result, elapsed = run(contexts, loader, tokens, budget_s=0.35)
+    used = sources(result)
+    assert result.tokens == len(tokens)
+    assert TEXT in used and {"medium", "low"} & set(used), used  # levels and text, mixed
+    assert elapsed <= 0.35 * 1.2, (elapsed, used)
+    assert not result.exact
+
+
+def test_rate_drop_mid_request_moves_later_chunks_down():
+    store, contexts, loader, tokens = setup(rate_bps=2e6)
+    run(contexts, loader, tokens, budget_s=1.0)  # measured at the fast rate
+    steady, _ = run(contexts, loader, tokens, budget_s=0.2)
+    assert steady.exact, sources(steady)  # the link holds: exact KV only
+    store.drop_after = (store.gets + 2, 400e3)  # from the third fetch on, 5x slower
+    result, elapsed = run(contexts, loader, tokens, budget_s=0.2)
+    used = sources(result)
+    # chunks planned after the drop move to smaller levels (or text); the fetches already in
+    # flight when it came are what it costs
+    assert not result.exact and {"medium", "low"} & set(used[4:]), (sources(steady), used)
+    assert sources(steady).count("lossless") > used.count("lossless")
+    assert elapsed <= 0.2 * 1.5, (elapsed, used)  # three fetches were in flight at the old rate
+
+
+def test_named_level_is_used_for_every_chunk_whatever_the_link():
+    store, contexts, loader, tokens = setup(rate_bps=200e3)
+    stored = find_stored_prefix(store, contexts.fingerprint, CHUNK, contexts.keys(tokens), tokens, [MEDIUM])
+    request = KVRequest([MEDIUM], RANKS, fixed=True, budget_s=0.01)
+    result = loader.load(SimulatedRunner(), stored, tokens, request, len(tokens) + 1, time.perf_counter())
+    assert sources(result) == ["medium"] * 12

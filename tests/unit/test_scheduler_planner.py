@@ -1,0 +1,118 @@
+"""The planner on simulated costs: deterministic checks of what it promises."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from scheduler.planner import TEXT, ChunkCosts, PlanInputs, plan, predict
+
+LEVELS = ["lossless", "high", "medium", "low"]
+RANKS = {name: rank for rank, name in enumerate(LEVELS)}
+# per 256-token chunk of the default model: bytes and decode seconds as measured
+SIZES = {"lossless": 11_796_510, "high": 1_650_000, "medium": 790_000, "low": 440_000}
+DECODE = {"lossless": 0.004, "high": 0.020, "medium": 0.016, "low": 0.015}
+
+
+def chunks(n: int, recompute: float = 0.8, resident: set[str] = frozenset()) -> list[ChunkCosts]:
+    sizes = {k: 0 if k in resident else v for k, v in SIZES.items()}
+    return [ChunkCosts(dict(sizes), dict(DECODE), recompute + 0.02 * i) for i in range(n)]
+
+
+def inputs(n: int = 8, rate_mbps: float = 200, budget: float | None = None, **kw) -> PlanInputs:
+    return PlanInputs(
+        chunks=kw.pop("chunk_costs", None) or chunks(n),
+        levels=kw.pop("levels", LEVELS),
+        ranks=RANKS,
+        rate_bps=rate_mbps * 1e6 / 8,
+        suffix_s=0.05,
+        budget_s=budget,
+        **kw,
+    )
+
+
+def best_by_counts(inp: PlanInputs) -> tuple[int, float]:
+    """Brute force over every count of chunks per route (the time model depends on counts only)."""
+    n = len(inp.chunks)
+    routes = [TEXT, *inp.levels]
+    best = None
+    for counts in itertools.product(range(n + 1), repeat=len(routes)):
+        if sum(counts) != n:
+            continue
+        sources = [r for r, c in zip(routes, counts) for _ in range(c)]
+        t = predict(inp, sources)
+        d = sum(RANKS[s] for s in sources if s != TEXT)
+        key = (d, t) if inp.budget_s is not None and t <= inp.budget_s else (float("inf"), t)
+        if best is None or key < best:
+            best = key
+    return best
+
+
+@pytest.mark.parametrize("rate", [1000, 200, 50, 10])
+@pytest.mark.parametrize("budget", [0.3, 0.6, 1.0, 2.0, 4.0])
+def test_budget_is_met_with_the_best_quality_that_fits(rate, budget):
+    inp = inputs(n=5, rate_mbps=rate, budget=budget)
+    chosen = plan(inp)
+    assert chosen.predicted_s == pytest.approx(predict(inp, chosen.sources))
+    best_distortion, best_time = best_by_counts(inp)
+    if best_distortion == float("inf"):  # nothing fits: the fastest plan of all
+        assert chosen.predicted_s == pytest.approx(best_time)
+    else:
+        assert chosen.predicted_s <= budget
+        assert chosen.distortion == best_distortion
+
+
+def test_more_budget_never_lowers_quality():
+    previous = None
+    for budget in [0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8]:
+        chosen = plan(inputs(n=16, rate_mbps=200, budget=budget))
+        if previous is not None:
+            assert chosen.distortion <= previous
+        previous = chosen.distortion
+
+
+def test_slow_link_falls_back_to_text():
+    chosen = plan(inputs(n=8, rate_mbps=5, budget=3.0))
+    assert TEXT in chosen.sources
+    assert chosen.sources[: chosen.text_chunks] == [TEXT] * chosen.text_chunks  # text goes first
+    fast = plan(inputs(n=8, rate_mbps=1000, budget=3.0))
+    assert TEXT not in fast.sources
+
+
+def test_no_budget_takes_the_fastest_plan_within_the_levels_given():
+    floor = LEVELS[:3]  # the caller passes only levels at or above the floor
+    for rate in [2000, 200, 50]:
+        inp = inputs(n=8, rate_mbps=rate, levels=floor)
+        chosen = plan(inp)
+        assert "low" not in chosen.sources
+        assert chosen.predicted_s == pytest.approx(best_by_counts(inp)[1])
+
+
+def test_memory_hot_lossless_is_chosen_when_no_slower():
+    inp = inputs(n=8, rate_mbps=200, levels=LEVELS[:3], chunk_costs=chunks(8, resident={"lossless"}))
+    assert plan(inp).sources == ["lossless"] * 8
+
+
+def test_missing_level_is_never_planned():
+    costs = chunks(4)
+    del costs[2].bytes["medium"]
+    del costs[2].bytes["low"]
+    chosen = plan(inputs(n=4, rate_mbps=50, levels=["medium", "low"], chunk_costs=costs))
+    assert chosen.sources[2] == TEXT or chosen.sources[2] not in {"medium", "low"}
+    assert chosen.predicted_s < float("inf")
+
+
+def test_text_is_not_planned_before_the_link_is_measured():
+    chosen = plan(inputs(n=6, rate_mbps=1, budget=1.0, allow_text=False))
+    assert TEXT not in chosen.sources
+
+
+def test_work_in_flight_counts_against_the_budget():
+    idle = plan(inputs(n=6, rate_mbps=200, budget=1.0))
+    busy = plan(inputs(n=6, rate_mbps=200, budget=1.0, link_busy_s=0.5))
+    assert busy.distortion > idle.distortion
+
+
+def test_empty_plan():
+    assert plan(inputs(n=0, chunk_costs=[], budget=1.0)).sources == []
