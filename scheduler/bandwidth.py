@@ -1,31 +1,35 @@
 """Link bandwidth, estimated from the transfers the gateway makes anyway.
 
-Chunk fetches run several at a time, so one fetch's bytes over its own time
-underestimates the link by the number in flight. The estimator instead counts
-the bytes delivered while at least one fetch was in flight, over the time
-that was so ("busy time"), and folds that into a moving average weighted by
-busy time: recent transfers dominate within ``half_life_s`` of link time. One
-estimator per store, kept across requests; no configured link speed.
+Chunk fetches run several at a time and share the link, so neither one
+fetch's bytes over its own time (too low by the number in flight) nor bytes
+over the gap between two completions (fetches that shared the link finish
+together: far too high) measure it. The estimator counts "busy time", when
+at least one fetch is in flight, and divides the bytes completed over the
+last ``window_s`` of busy time by that time. The window spans a whole round
+of concurrent fetches, so bytes credited at completion even out, and it is
+short enough to follow a link that changes within a request. One estimator
+per store, kept across requests; no configured link speed.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
+from collections import deque
 
 
 class BandwidthEstimator:
-    def __init__(self, half_life_s: float = 0.05, min_sample_s: float = 0.004) -> None:
-        self.half_life_s = half_life_s
-        self.min_sample_s = min_sample_s  # shorter samples are mostly round-trip time: pooled first
+    def __init__(self, window_s: float = 0.2, min_busy_s: float = 0.004) -> None:
+        self.window_s = window_s
+        self.min_busy_s = min_busy_s  # less than this is mostly round-trip time: no estimate yet
         self._lock = threading.Lock()
         self._in_flight = 0
         self._busy_since = 0.0
-        self._busy_s = 0.0  # busy time not yet folded into the estimate
-        self._bytes = 0  # bytes delivered in that time
-        self._rate: float | None = None  # bytes per second
-        self.samples = 0
+        self._busy_s = 0.0  # total busy time
+        self._bytes = 0  # total bytes completed
+        # (busy time, bytes) after each completion; the first entry is the origin
+        self._marks: deque[tuple[float, int]] = deque([(0.0, 0)])
+        self._rate: float | None = None
 
     def begin(self) -> None:
         with self._lock:
@@ -41,18 +45,13 @@ class BandwidthEstimator:
             self._busy_since = now
             self._in_flight -= 1
             self._bytes += nbytes
-            if self._busy_s >= self.min_sample_s and self._bytes > 0:
-                self._fold(self._bytes / self._busy_s, self._busy_s)
-                self._busy_s = 0.0
-                self._bytes = 0
-
-    def _fold(self, rate: float, weight_s: float) -> None:
-        self.samples += 1
-        if self._rate is None:
-            self._rate = rate
-            return
-        keep = math.exp(-math.log(2) * weight_s / self.half_life_s)
-        self._rate = keep * self._rate + (1 - keep) * rate
+            # keep the newest mark at least a window old, and everything after it
+            while len(self._marks) > 1 and self._busy_s - self._marks[1][0] >= self.window_s:
+                self._marks.popleft()
+            busy0, bytes0 = self._marks[0]
+            if self._busy_s - busy0 >= self.min_busy_s and self._bytes > bytes0:
+                self._rate = (self._bytes - bytes0) / (self._busy_s - busy0)
+            self._marks.append((self._busy_s, self._bytes))
 
     @property
     def bytes_per_second(self) -> float | None:

@@ -54,7 +54,11 @@ def test_keys_are_identical_in_another_process():
         "print(','.join(chunk_keys(fp, list(range(12)), 4)))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "123"}
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "123"},
     )
     assert out.stdout.strip().split(",") == chunk_keys(fingerprint(), list(range(12)), 4)
 

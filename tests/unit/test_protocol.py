@@ -36,7 +36,10 @@ def test_chat_rejects(extra):
 
 def test_content_parts_are_joined():
     r = ChatCompletionRequest(
-        model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+        model="m",
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+        ],
     )
     assert r.messages[0].text() == "ab"
 

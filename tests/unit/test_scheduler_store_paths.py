@@ -106,7 +106,9 @@ def test_level_of_another_table_is_not_read(parts):
     store, contexts, loader = parts
     tokens = list(range(16))
     contexts.save(tokens, kv_for(16), [MEDIUM], 0.0)
-    other = Level("medium", Scheme.QUANT, lossless=False, quant=QuantParams(key_step=(9.0,), value_step=(9.0,)))
+    other = Level(
+        "medium", Scheme.QUANT, lossless=False, quant=QuantParams(key_step=(9.0,), value_step=(9.0,))
+    )
     assert level_digest(other) != level_digest(MEDIUM)
     assert load(contexts, loader, tokens, [MEDIUM]).tokens == 16
     assert load(contexts, loader, tokens, [other]).tokens == 0

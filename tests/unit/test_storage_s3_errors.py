@@ -19,7 +19,9 @@ def store(monkeypatch: pytest.MonkeyPatch) -> S3Store:
 
 
 def client_error(code: str, status: int) -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "Op")
+    return ClientError(
+        {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "Op"
+    )
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,13 @@ from storage.tiered import LRUCacheStore
 
 @pytest.fixture(autouse=True)
 def _no_ambient_aws(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE"):
+    for name in (
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_PROFILE",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
@@ -27,7 +33,9 @@ def test_file_and_memory(tmp_path: Path) -> None:
     assert isinstance(open_store("memory://"), MemoryStore)
 
 
-@pytest.mark.parametrize("url", ["file://host/x", "ftp://x", "kv", "", "s3://", "s3:///prefix", "s3://b/p?x=1"])
+@pytest.mark.parametrize(
+    "url", ["file://host/x", "ftp://x", "kv", "", "s3://", "s3:///prefix", "s3://b/p?x=1"]
+)
 def test_bad_urls(url: str) -> None:
     with pytest.raises(ValueError):
         open_store(url)
@@ -67,7 +75,9 @@ def test_s3_reads_the_standard_variables(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_s3_tunables_reach_botocore() -> None:
-    store = S3Store.from_url("s3://kv", max_pool_connections=7, max_attempts=4, connect_timeout=0.5, read_timeout=3)
+    store = S3Store.from_url(
+        "s3://kv", max_pool_connections=7, max_attempts=4, connect_timeout=0.5, read_timeout=3
+    )
     config = store._client.meta.config
     assert config.max_pool_connections == 7
     assert config.retries["total_max_attempts"] == 4
