@@ -239,6 +239,8 @@ def calibrate(
     return {
         "format": TABLE_FORMAT,
         "model": runner.loaded.name,
+        # the quality floor of kv_quality "auto" without a budget (CACHEGEN_MIN_QUALITY overrides it)
+        "default_level": TARGETS[len(TARGETS) // 2].name,
         "comment": "written by python -m app calibrate; steps per layer, key steps divided by key_channel_rms",
         "calibration": {
             "prefix_tokens": prefix,

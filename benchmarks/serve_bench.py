@@ -5,7 +5,7 @@ directory; both with the in-memory LRU off so every read goes to the store),
 pre-encodes the same real context on each, and measures TTFT (first streamed
 token, client clock) per source and level in one run. Also times the
 scheduler's lookup for a 32-chunk prompt against S3, on a miss and on a hit:
-one batched existence check of chunk 0 at every level.
+one GET of the prefix index, which lists every stored chunk with its sizes.
 
     python benchmarks/serve_bench.py --out benchmarks/results/serve.json
 """
@@ -36,32 +36,40 @@ def bench_lookup(server: SeaweedServer, bucket: str, rounds: int) -> dict:
     import os
 
     import codec
-    from scheduler.geometry import KVGeometry
-    from scheduler.layout import chunk_object_key
-    from scheduler.loader import PrefixLoader
+    from scheduler.contexts import ContextStore
+    from scheduler.prefix import make_fingerprint
+    from scheduler.stored import find_stored_prefix
     from storage.s3 import S3Store
 
     os.environ.update(server.env())
     store = S3Store(bucket, "lookup")
-    loader = PrefixLoader(store, KVGeometry(30, 3, 64), 256, ThreadPoolExecutor(8))
+    fingerprint = make_fingerprint(weights="bench", config={}, vocabulary="bench", chunk_size=256)
+    contexts = ContextStore(store, fingerprint, "bench", 256, ThreadPoolExecutor(8))
     levels = list(codec.DEFAULT_LEVELS)
-    miss_keys = [secrets.token_hex(32) for _ in range(32)]
-    hit_keys = [secrets.token_hex(32) for _ in range(32)]
-    store.put(chunk_object_key(hit_keys[0], levels[-1].name), b"x")
+    miss_tokens = [secrets.randbelow(49152) for _ in range(32 * 256)]
+    hit_tokens = [secrets.randbelow(49152) for _ in range(32 * 256)]
+    # a stored 32-chunk prefix: the index lists every chunk at every level (objects are not read)
+    contexts.save_chunks(contexts.keys(hit_tokens)[:1], _tiny_kv(), levels[:1])
+    hit_keys = contexts.keys(hit_tokens)
     result = {}
-    for name, keys in (("miss", miss_keys), ("hit_probe", hit_keys)):
+    for name, tokens in (("miss", miss_tokens), ("hit_index", hit_tokens)):
+        keys = contexts.keys(tokens)
         samples = []
         for _ in range(rounds):
             t0 = time.perf_counter()
-            if name == "miss":
-                assert loader.load(keys, levels).tokens == 0
-            else:
-                assert loader.probe(keys[0], levels) is not None
+            found = find_stored_prefix(store, fingerprint, 256, keys, tokens, levels)
             samples.append(time.perf_counter() - t0)
+            assert (len(found.chunks) > 0) == (name == "hit_index")
         result[name] = {"p50_ms": percentile(samples, 50) * 1000, "p99_ms": percentile(samples, 99) * 1000}
     result["requests_per_lookup"] = 1
-    result["levels_probed"] = len(levels)
+    result["chunks_listed"] = len(hit_keys[:1])
     return result
+
+
+def _tiny_kv():
+    import torch
+
+    return torch.zeros(30, 2, 3, 256, 64)
 
 
 def main() -> int:
@@ -121,8 +129,8 @@ def main() -> int:
     for r in rows:
         print(f"{r['source']:>10} {str(r['level']):>9} {r['ttft_s']:>8.3f} {r['speedup_vs_recompute']:>7.1f}x "
               f"{r['load_ms']:>8.1f} {r['bytes'] / 1e6:>7.2f}")
-    print(f"\nlookup of a 32-chunk prompt on S3 ({lookup['levels_probed']} levels, one batched request): "
-          f"miss p50 {lookup['miss']['p50_ms']:.1f} ms, hit probe p50 {lookup['hit_probe']['p50_ms']:.1f} ms")
+    print(f"\nlookup of a 32-chunk prompt on S3 (one GET of the prefix index): "
+          f"miss p50 {lookup['miss']['p50_ms']:.1f} ms, hit p50 {lookup['hit_index']['p50_ms']:.1f} ms")
     print(f"wrote {args.out}")
     return 0
 
