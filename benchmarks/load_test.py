@@ -478,19 +478,38 @@ def config_record(args: argparse.Namespace, url: str, model: str) -> dict[str, A
 # ---------------------------------------------------------------- setup
 
 
+@dataclass
+class Target:
+    url: str
+    pid: int | None = None  # the gateway this tool started, if it did
+
+    def peak_rss_bytes(self) -> int | None:
+        """The started gateway's peak resident memory so far (Linux ``VmHWM``)."""
+        if self.pid is None:
+            return None
+        try:
+            status = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return None
+        line = next((ln for ln in status.splitlines() if ln.startswith("VmHWM:")), None)
+        return None if line is None else int(line.split()[1]) * 1024
+
+
 @contextmanager
-def target(url: str | None) -> Iterator[str]:
+def target(url: str | None, gateway_env: list[str]) -> Iterator[Target]:
     """The given URL, or a gateway of our own on a temporary local store for the duration."""
     if url is not None:
-        yield url.rstrip("/")
+        yield Target(url.rstrip("/"))
         return
     from tests.gateway_process import GatewayProcess
 
     with tempfile.TemporaryDirectory() as tmp:
         print("starting a gateway on a temporary local store ...")
         env = {"CACHEGEN_STORE": f"file://{tmp}/store"}
+        env.update(item.split("=", 1) for item in gateway_env)
         with GatewayProcess(env, Path(tmp) / "gateway.log") as gateway:
-            yield gateway.url
+            assert gateway.proc is not None
+            yield Target(gateway.url, gateway.proc.pid)
 
 
 def served_model(client: httpx.Client) -> str:
@@ -534,6 +553,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", help="base URL of the deployment (no /v1); default: start a gateway")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     p.add_argument("--model", help="default: the first model of GET /v1/models")
+    p.add_argument("--gateway-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="without --url: a setting for the gateway this tool starts (repeatable)")  # fmt: skip
     load = p.add_argument_group("load shape and bounds")
     load.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s; inf: at once")
     load.add_argument("--concurrency", type=int, help="most requests in flight at once")
@@ -577,13 +598,18 @@ def main(argv: list[str] | None = None) -> int:
     specs = build_requests(contexts, args.requests, args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     out = args.out or RESULTS_DIR / f"load_{datetime.now():%Y%m%d_%H%M%S}.json"
-    with target(args.url) as url:
+    with target(args.url, args.gateway_env) as started:
+        url = started.url
         with httpx.Client(base_url=url, headers=headers, timeout=max(args.timeout, 900.0)) as setup:
             model = args.model or served_model(setup)
             encoded = [] if args.no_pre_encode or not contexts else pre_encode(setup, contexts, _levels(args))
         print(f"{len(specs)} requests to {url} (model {model}) ...")
         records, duration, peak = asyncio.run(_run(url, headers, specs, model, args))
+        peak_rss = started.peak_rss_bytes()
     summary = summarize(records, len(specs), duration, peak, args)
+    if peak_rss is not None:
+        summary["gateway_peak_rss_mib"] = round(peak_rss / 2**20, 1)
+        print(f"gateway peak RSS: {summary['gateway_peak_rss_mib']} MiB")
     print_table(summary)
     result = {
         "config": config_record(args, url, model),
