@@ -41,11 +41,20 @@ log = logging.getLogger(__name__)
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 
 
-def load_levels(settings: Settings) -> tuple[tuple[Level, ...], Level]:
-    """The level table, and the quality floor of ``auto`` without a budget.
+@dataclass(frozen=True)
+class LevelTable:
+    levels: tuple[Level, ...]  # best quality first
+    floor: Level  # auto without a budget uses no level below this
+    distortion: dict[str, float]  # quality loss per level, for the planner (0 = exact)
+
+
+def load_levels(settings: Settings) -> LevelTable:
+    """The level table; the quality floor of ``auto`` without a budget; each level's distortion.
 
     The floor is ``min_quality`` when set; else the table's ``default_level``;
-    else the middle one of its lossy levels.
+    else the middle one of its lossy levels. Distortion is the KL divergence the
+    calibration measured per level when the table has it for every lossy level,
+    else a stand-in that grows 4x per level, as measured tables do.
     """
     import json
 
@@ -58,10 +67,17 @@ def load_levels(settings: Settings) -> tuple[tuple[Level, ...], Level]:
     lossy = [lv for lv in levels if not lv.lossless] or list(levels)
     name = settings.min_quality or table.get("default_level") or lossy[len(lossy) // 2].name
     try:
-        return levels, level_by_name(name, levels)
+        floor = level_by_name(name, levels)
     except KeyError:
         known = ", ".join(lv.name for lv in levels)
         raise ValueError(f"min_quality {name!r} is not a level of the table ({known})") from None
+    measured = (table.get("calibration") or {}).get("measured") or {}
+    kl = {lv.name: (measured.get(lv.name) or {}).get("kl") for lv in levels if not lv.lossless}
+    if all(isinstance(v, int | float) and v >= 0 for v in kl.values()):
+        distortion = {lv.name: 0.0 if lv.lossless else float(kl[lv.name]) for lv in levels}
+    else:
+        distortion = {lv.name: 0.0 if lv.lossless else 4.0**rank - 1 for rank, lv in enumerate(levels)}
+    return LevelTable(levels, floor, distortion)
 
 
 @dataclass
@@ -73,9 +89,12 @@ class Gateway:
     executor: RequestExecutor
     worker: ModelWorker
     metrics: Metrics
-    levels: tuple[Level, ...]
-    floor: Level  # auto without a budget uses no level below this
+    table: LevelTable
     io_pool: ThreadPoolExecutor
+
+    @property
+    def levels(self) -> tuple[Level, ...]:
+        return self.table.levels
 
     @property
     def model_name(self) -> str:
@@ -97,10 +116,10 @@ class Gateway:
         """How a request may use stored KV: ``auto`` plans per chunk; a level name is used as is."""
         if not use_kv:
             return None
-        ranks = {lv.name: rank for rank, lv in enumerate(self.levels)}
+        distortion = self.table.distortion
         if quality != "auto":
             try:
-                return KVRequest([level_by_name(quality, self.levels)], ranks, fixed=True)
+                return KVRequest([level_by_name(quality, self.levels)], distortion, fixed=True)
             except KeyError:
                 names = ", ".join(["auto", *(lv.name for lv in self.levels)])
                 raise InvalidRequest(
@@ -108,9 +127,9 @@ class Gateway:
                 ) from None
         slo_ms = slo_ms if slo_ms is not None else self.settings.kv_slo_ms
         if slo_ms is not None:
-            return KVRequest(list(self.levels), ranks, budget_s=slo_ms / 1000)
-        floor = self.levels.index(self.floor)
-        return KVRequest(list(self.levels[: floor + 1]), ranks)
+            return KVRequest(list(self.levels), distortion, budget_s=slo_ms / 1000)
+        floor = self.levels.index(self.table.floor)
+        return KVRequest(list(self.levels[: floor + 1]), distortion)
 
     def encode_levels(self, names: list[str] | None) -> list[Level]:
         try:
@@ -231,6 +250,7 @@ def kv_cache_info(report: PrefixReport) -> dict[str, Any]:
         bandwidth_mbps=None if report.bandwidth_bps is None else round(report.bandwidth_bps * 8 / 1e6, 1),
         budget_ms=report.budget_ms,
         planned_ms=report.planned_ms,
+        prompt_ms=report.prompt_ms,
         slo_met=report.slo_met,
     ).model_dump()
 
@@ -343,7 +363,8 @@ def build_gateway(settings: Settings) -> Gateway:
     contexts = ContextStore(store, fingerprint, loaded.name, settings.chunk_size, io_pool)
     geometry = KVGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim)
     metrics = Metrics()
-    levels, floor = load_levels(settings)
+    table = load_levels(settings)
+    levels = table.levels
     warm_up_codec(levels, geometry)
     profile = load_or_measure(
         settings.cache_dir,
@@ -376,8 +397,7 @@ def build_gateway(settings: Settings) -> Gateway:
         executor=RequestExecutor(runner, contexts, loader, write_back),
         worker=ModelWorker(settings.max_queue, metrics),
         metrics=metrics,
-        levels=levels,
-        floor=floor,
+        table=table,
         io_pool=io_pool,
     )
 

@@ -188,4 +188,5 @@ class KVCacheInfo(BaseModel):
     bandwidth_mbps: float | None = None  # link estimate after loading (megabits per second)
     budget_ms: float | None = None  # the kv_slo_ms in force
     planned_ms: float | None = None  # the first plan's prediction for load + prefill
-    slo_met: bool | None = None  # load + prefill within the budget
+    prompt_ms: float = 0.0  # from admission to the first token's logits (queueing included)
+    slo_met: bool | None = None  # prompt_ms within the budget

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
+from engine.kv_buffer import BufferLayer
 from engine.loading import LoadedModel
 from engine.sampling import SamplingParams, make_generator, sample_next
 
@@ -46,22 +48,35 @@ class ModelRunner:
     # -- KV tensors <-> transformers cache ---------------------------------------------------
 
     def new_kv(self, tokens: int) -> torch.Tensor:
-        """An empty (layers, 2, heads, tokens, head_dim) buffer on the model's device, in its dtype:
-        a prefix's chunks are decoded or prefilled straight into their slices of it."""
+        """An empty (layers, 2, heads, tokens, head_dim) buffer on the model's device, in its dtype.
+
+        A request's prefix is decoded or prefilled straight into it, and the cache
+        built over it (``cache_from_kv``) keeps writing into it: size it for the
+        whole request, prompt and generated tokens.
+        """
         shape = (self.num_layers, 2, self.num_kv_heads, tokens, self.head_dim)
         return torch.empty(shape, device=self.device, dtype=self.loaded.dtype)
 
-    def cache_from_kv(self, kv: torch.Tensor | None) -> DynamicCache:
-        """A cache over ``kv``'s tokens. It holds views of ``kv``, not copies: the model's next
-        forward pass concatenates new tokens into fresh tensors and never writes into ``kv``."""
+    def cache_from_kv(self, kv: torch.Tensor | None, length: int | None = None) -> DynamicCache:
+        """A cache whose first ``length`` tokens (default: all) are ``kv``'s, without a copy.
+
+        When ``kv`` is a buffer from ``new_kv`` on the model's device and dtype,
+        the cache's layers are views of it and new tokens are written into it in
+        place (``BufferLayer``); anything else is copied into a fresh cache.
+        """
         cache = DynamicCache(config=self.model.config)
-        if kv is None or kv.shape[3] == 0:
+        if kv is None:
             return cache
-        kv = kv.to(device=self.device, dtype=self.loaded.dtype)
-        for index, layer in enumerate(cache.layers[: self.num_layers]):
+        length = kv.shape[3] if length is None else length
+        in_place = kv.device == self.device and kv.dtype == self.loaded.dtype
+        if not in_place:
+            kv = kv[:, :, :, :length].to(device=self.device, dtype=self.loaded.dtype)
+        for index in range(self.num_layers):
             keys, values = kv[index, 0].unsqueeze(0), kv[index, 1].unsqueeze(0)
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
+            if type(cache.layers[index]) is DynamicLayer:
+                cache.layers[index] = BufferLayer(keys, values, length)
+            elif length:
+                cache.layers[index].update(keys[:, :, :length], values[:, :, :length])
         return cache
 
     def kv_from_cache(self, cache: DynamicCache, start: int = 0, end: int | None = None) -> torch.Tensor:
@@ -80,16 +95,19 @@ class ModelRunner:
         token_ids: list[int],
         prefix_kv: torch.Tensor | None = None,
         *,
+        prefix_tokens: int | None = None,
         want_prompt_logits: bool = False,
     ) -> PrefillResult:
-        """Run the model over ``token_ids`` after the ``prefix_kv`` tokens.
+        """Run the model over ``token_ids`` after the first ``prefix_tokens`` of ``prefix_kv``.
 
         ``token_ids`` are the tokens *after* the prefix and must not be empty:
-        the last one produces the next-token distribution.
+        the last one produces the next-token distribution. ``prefix_kv`` may be
+        a buffer from ``new_kv`` with room for the rest of the request: the
+        cache then grows inside it.
         """
         if not token_ids:
             raise ValueError("prefill needs at least one token after the cached prefix")
-        cache = self.cache_from_kv(prefix_kv)
+        cache = self.cache_from_kv(prefix_kv, prefix_tokens)
         past = cache.get_seq_length()
         input_ids = torch.tensor([token_ids], device=self.device)
         positions = torch.arange(past, past + len(token_ids), device=self.device).unsqueeze(0)
@@ -109,9 +127,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill_into(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> None:
-        """Prefill ``token_ids`` on top of ``kv[..., :start, :]`` and write their KV after it."""
+        """Prefill ``token_ids`` on top of ``kv[..., :start, :]``; their KV lands in ``kv`` after it."""
         end = start + len(token_ids)
-        cache = self.cache_from_kv(kv[:, :, :, :start])
+        cache = self.cache_from_kv(kv, start)
         self.model(
             input_ids=torch.tensor([token_ids], device=self.device),
             position_ids=torch.arange(start, end, device=self.device).unsqueeze(0),
@@ -120,8 +138,9 @@ class ModelRunner:
             logits_to_keep=1,
         )
         for index, layer in enumerate(cache.layers[: self.num_layers]):
-            kv[index, 0, :, start:end] = layer.keys[0, :, start:end]
-            kv[index, 1, :, start:end] = layer.values[0, :, start:end]
+            if not isinstance(layer, BufferLayer):  # a layer type that keeps its own storage
+                kv[index, 0, :, start:end] = layer.keys[0, :, start:end]
+                kv[index, 1, :, start:end] = layer.values[0, :, start:end]
 
     def compute_kv(self, token_ids: list[int]) -> torch.Tensor:
         """Prefill a whole context from scratch and return its KV."""

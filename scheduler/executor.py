@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +35,9 @@ class GenerationJob:
     kv: KVRequest | None  # None: do not use stored KV
     prompt_logprobs: int | None = None  # echo: logprobs of the prompt tokens, with this many top entries
     logprobs: int | None = None  # logprobs of generated tokens, with this many top entries
+    # when the request was admitted (time.perf_counter): a kv_slo_ms budget counts from here,
+    # so time spent waiting for the model thread counts against it
+    admitted: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -57,7 +60,7 @@ class PrefixReport:
     bandwidth_bps: float | None = None  # the link estimate, bytes per second
     budget_ms: float | None = None
     planned_ms: float | None = None  # what the first plan predicted for the prompt
-    prompt_ms: float = 0.0  # load + prefill: what the budget is held to
+    prompt_ms: float = 0.0  # admission to first-token logits: what the budget is held to
 
     @property
     def slo_met(self) -> bool | None:
@@ -94,15 +97,20 @@ class RequestExecutor:
     def run(self, job: GenerationJob, emit: Callable[[Any], None], cancel: threading.Event) -> None:
         tokenizer = self.runner.tokenizer
         t0 = time.perf_counter()
-        load = self._load_prefix(job, t0, cancel)
+        load = self._load_prefix(job, job.admitted, cancel)
         t1 = time.perf_counter()
         cached = load.tokens
+        kv = load.kv if load.kv is not None else self.runner.new_kv(len(job.prompt_ids) + job.max_tokens)
         state = self.runner.prefill(
-            job.prompt_ids[cached:], load.kv, want_prompt_logits=job.prompt_logprobs is not None
+            job.prompt_ids[cached:],
+            kv,
+            prefix_tokens=cached,
+            want_prompt_logits=job.prompt_logprobs is not None,
         )
         t2 = time.perf_counter()
-        load.kv = None  # the cache holds what it needs: free the buffer before decoding
+        load.kv = kv = None  # the cache holds the buffer now
         self.loader.profile.observe_prefill(len(job.prompt_ids) - cached, cached, t2 - t1)
+        self.loader.observe_outcome(load.planned_s, t2 - job.admitted)
         self._write_back(job, load, state.cache)
         prompt_lp = None
         if job.prompt_logprobs is not None:
@@ -118,7 +126,7 @@ class RequestExecutor:
             bandwidth_bps=load.bandwidth_bps,
             budget_ms=None if budget is None else _ms(budget),
             planned_ms=None if load.planned_s is None else _ms(load.planned_s),
-            prompt_ms=_ms(t2 - t0),
+            prompt_ms=_ms(t2 - job.admitted),
         )
         emit(PromptDone(info, prompt_lp))
 
@@ -163,7 +171,10 @@ class RequestExecutor:
             )
         if not stored.chunks:
             return PrefixLoad(kv=None, faults=stored.faults)
-        return self.loader.load(self.runner, stored, usable, job.kv, len(job.prompt_ids), started, cancel)
+        capacity = len(job.prompt_ids) + job.max_tokens
+        return self.loader.load(
+            self.runner, stored, usable, job.kv, len(job.prompt_ids), started, cancel, capacity
+        )
 
     def _write_back(self, job: GenerationJob, load: PrefixLoad, cache: Any) -> None:
         """Store the full chunks after the loaded prefix (a miss), if write-back is on."""

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # Assumed link rate until this process has measured one (100 Mbit/s): only the
 # first request's first chunk is planned with it; text is not chosen on it.
 PRIOR_BYTES_PER_SECOND = 12.5e6
+_SLOWDOWN_EWMA = 0.3
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class KVRequest:
     """How one request may use stored KV."""
 
     levels: list[Level]  # candidates, best quality first; with ``fixed``, the one named level
-    ranks: dict[str, int]  # level name -> quality rank in the level table (0 = exact)
+    distortion: dict[str, float]  # level name -> quality loss (0 = exact); see planner
     fixed: bool = False  # a level the client named: every chunk at it, never text
     budget_s: float | None = None  # time from the start of the request to its first token
     allow_text: bool = True
@@ -67,16 +68,13 @@ class ChunkReport:
 
 @dataclass
 class PrefixLoad:
-    kv: torch.Tensor | None  # (layers, 2, heads, tokens, head_dim) on the model's device
+    kv: torch.Tensor | None  # (layers, 2, heads, capacity, head_dim) on the model's device
+    tokens: int = 0  # the first ``tokens`` of ``kv`` hold the prefix
     chunks: list[ChunkReport] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
     exact: bool = True  # every loaded token's KV equals what a full prefill computes
     bandwidth_bps: float | None = None  # bytes per second, the estimate after loading
     planned_s: float | None = None  # the first plan's predicted time to the first token
-
-    @property
-    def tokens(self) -> int:
-        return sum(c.tokens for c in self.chunks)
 
     @property
     def stored_tokens(self) -> int:
@@ -105,6 +103,10 @@ class PrefixLoader:
         self.profile = profile
         self.window = window  # store chunks in flight once the link has been measured
         self.bandwidth = BandwidthEstimator()
+        # actual / planned time of recent requests: a budget is planned against budget / slowdown,
+        # so what the cost model misses (a busier machine, per-request overheads) is allowed for
+        self.slowdown = 1.0
+        self._lock = threading.Lock()
 
     def load(
         self,
@@ -115,9 +117,20 @@ class PrefixLoader:
         prompt_tokens: int,
         started: float,
         cancel: threading.Event | None = None,
+        capacity: int | None = None,
     ) -> PrefixLoad:
+        """Load ``stored`` into a new KV buffer of ``capacity`` tokens (default: the prefix's):
+        size it for the whole request, and the model's cache grows inside it."""
         run = _LoadRun(self, runner, stored, token_ids, request, prompt_tokens, started)
-        return run.execute(cancel or threading.Event())
+        return run.execute(cancel or threading.Event(), capacity)
+
+    def observe_outcome(self, planned_s: float | None, actual_s: float) -> None:
+        """How long a planned request really took: plans after it allow for the difference."""
+        if planned_s is None or planned_s <= 0:
+            return
+        ratio = min(max(actual_s / planned_s, 0.8), 3.0)
+        with self._lock:
+            self.slowdown = (1 - _SLOWDOWN_EWMA) * self.slowdown + _SLOWDOWN_EWMA * ratio
 
     def fetch(self, chunk: StoredChunk, level: Level) -> _Fetched:
         key = chunk_object_key(chunk.key, level.name, level_digest(level))
@@ -162,8 +175,9 @@ class _LoadRun:
         self.committed = 0  # chunks [0, committed) have a final source (fetch issued, or text)
         self.result = PrefixLoad(kv=None, faults=list(stored.faults))
 
-    def execute(self, cancel: threading.Event) -> PrefixLoad:
-        kv = self.runner.new_kv(self.chunks[-1].end) if self.chunks else None
+    def execute(self, cancel: threading.Event, capacity: int | None) -> PrefixLoad:
+        prefix = self.chunks[-1].end if self.chunks else 0
+        kv = self.runner.new_kv(max(prefix, capacity or 0)) if self.chunks else None
         loaded = 0
         try:
             for i, chunk in enumerate(self.chunks):
@@ -178,7 +192,8 @@ class _LoadRun:
         finally:
             for future in self.pending.values():
                 future.cancel()
-        self.result.kv = kv[:, :, :, :loaded] if kv is not None and loaded else None
+        self.result.kv = kv if loaded else None
+        self.result.tokens = loaded
         self.result.bandwidth_bps = self.loader.bandwidth.bytes_per_second
         return self.result
 
@@ -216,12 +231,14 @@ class _LoadRun:
         ]
         prefix_end = self.chunks[-1].end
         budget = self.request.budget_s
+        if budget is not None:
+            budget /= self.loader.slowdown
         elapsed = time.perf_counter() - self.started
         chosen = plan(
             PlanInputs(
                 chunks=remaining,
                 levels=names,
-                ranks=self.request.ranks,
+                distortion=self.request.distortion,
                 rate_bps=rate,
                 suffix_s=profile.prefill_seconds(self.prompt_tokens - prefix_end, prefix_end),
                 link_busy_s=link_busy,

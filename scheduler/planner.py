@@ -17,7 +17,10 @@ take each route, and an optimum of one budget over such counts mixes at most
 two routes besides text, so this family holds the best plan while staying
 small (levels^2 * chunks^2 / 4 candidates, evaluated at once with numpy).
 Text first gives the link time to work while the model recomputes. Quality
-is the sum of level ranks (0 = exact; text is exact).
+loss is the sum of the chunks' level distortions (0 = exact; text is exact):
+measured KL divergence per level where the level table has it, which grows
+much faster than linearly from one level to the next, so one lossless and one
+low chunk never pass for two middling ones.
 
 - With a budget: the best quality whose predicted end fits it, then the
   fastest; when none fits, the fastest plan of all.
@@ -48,7 +51,7 @@ class ChunkCosts:
 class PlanInputs:
     chunks: list[ChunkCosts]  # the chunks not yet started, in order
     levels: list[str]  # candidates, best quality first (their rank is their position in ``ranks``)
-    ranks: dict[str, int]  # level -> quality rank, 0 = exact
+    distortion: dict[str, float]  # level -> quality loss, 0 = exact (text is exact)
     rate_bps: float  # link estimate, bytes per second
     suffix_s: float  # final prefill of the tokens after the prefix
     link_busy_s: float = 0.0  # link time still owed to fetches already issued
@@ -61,7 +64,7 @@ class PlanInputs:
 class Plan:
     sources: list[str]  # per remaining chunk: a level name or TEXT
     predicted_s: float
-    distortion: int
+    distortion: float
 
     @property
     def text_chunks(self) -> int:
@@ -91,7 +94,7 @@ def plan(inputs: PlanInputs) -> Plan:
         last = np.where(m < n, dec_b[n] - dec_b[n - 1], np.where(j > 0, last_a, 0.0))
         end = np.maximum(compute, link + last) + inputs.suffix_s
         ends.append(np.where(fetched >= _MISSING / 2, np.inf, end))
-        dists.append(inputs.ranks[a] * j + inputs.ranks[b] * (n - m))
+        dists.append(inputs.distortion[a] * j + inputs.distortion[b] * (n - m))
         ks.append(k)
         js.append(j)
         which.append(np.full(k.shape, p))
@@ -99,7 +102,7 @@ def plan(inputs: PlanInputs) -> Plan:
     if inputs.budget_s is not None and (end <= inputs.budget_s).any():
         # best quality among the plans that fit, then the fastest of those
         fits = end <= inputs.budget_s
-        i = np.lexsort((end, np.where(fits, dist, np.iinfo(np.int64).max)))[0]
+        i = np.lexsort((end, np.where(fits, dist, np.inf)))[0]
     else:
         i = np.lexsort((dist, end))[0]
     a, b = pairs[int(np.concatenate(which)[i])]
@@ -132,5 +135,5 @@ def predict(inputs: PlanInputs, sources: list[str]) -> float:
 
 
 def _explicit(inputs: PlanInputs, sources: list[str]) -> Plan:
-    distortion = sum(inputs.ranks.get(s, 0) for s in sources if s != TEXT)
+    distortion = sum(inputs.distortion.get(s, 0) for s in sources if s != TEXT)
     return Plan(sources, predict(inputs, sources), distortion)

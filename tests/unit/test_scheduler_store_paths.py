@@ -53,7 +53,7 @@ def load(contexts, loader, tokens, levels=(LOSSLESS,)):
     """Load the stored prefix of ``tokens + [one more]`` at the first of ``levels``, as a request would."""
     keys = contexts.keys(tokens)
     stored = find_stored_prefix(contexts.store, contexts.fingerprint, CHUNK, keys, tokens, list(levels))
-    request = KVRequest(list(levels), {lv.name: i for i, lv in enumerate(levels)}, fixed=True)
+    request = KVRequest(list(levels), {lv.name: float(i) for i, lv in enumerate(levels)}, fixed=True)
     return loader.load(BufferOnlyRunner(), stored, tokens, request, len(tokens) + 1, time.perf_counter())
 
 
