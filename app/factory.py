@@ -11,6 +11,7 @@ from app.errors import install_error_handlers
 from app.gateway import Gateway, build_gateway
 from app.routes import router
 from app.settings import Settings
+from scheduler.profile import save as save_profile
 
 
 def create_app(settings: Settings | None = None, gateway: Gateway | None = None) -> FastAPI:
@@ -26,6 +27,7 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
             gateway.executor.write_back.shutdown()
         gateway.io_pool.shutdown(wait=False, cancel_futures=True)
         gateway.store.close()
+        save_profile(gateway.executor.loader.profile, gateway.profile_file)
 
     app = FastAPI(title="CacheGen gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = gateway

@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from app.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
@@ -32,7 +33,7 @@ from scheduler.geometry import KVGeometry
 from scheduler.loader import KVRequest, PrefixLoader
 from scheduler.planner import TEXT
 from scheduler.prefix import make_fingerprint, weights_digest
-from scheduler.profile import load_or_measure, profile_key
+from scheduler.profile import load_or_measure, profile_key, profile_path
 from scheduler.write_back import WriteBack
 from storage import ObjectStore, open_store
 
@@ -91,6 +92,7 @@ class Gateway:
     metrics: Metrics
     table: LevelTable
     io_pool: ThreadPoolExecutor
+    profile_file: Path  # the cost profile, written back at shutdown with what serving learned
 
     @property
     def levels(self) -> tuple[Level, ...]:
@@ -366,13 +368,10 @@ def build_gateway(settings: Settings) -> Gateway:
     table = load_levels(settings)
     levels = table.levels
     warm_up_codec(levels, geometry)
-    profile = load_or_measure(
-        settings.cache_dir,
-        profile_key(fingerprint.hex, runner, list(levels), settings.chunk_size),
-        runner,
-        list(levels),
-        settings.chunk_size,
+    profile_file = profile_path(
+        settings.cache_dir, profile_key(fingerprint.hex, runner, list(levels), settings.chunk_size)
     )
+    profile = load_or_measure(profile_file, runner, list(levels), settings.chunk_size)
     loader = PrefixLoader(store, geometry, io_pool, profile)
     write_back = None
     if settings.write_back:
@@ -398,6 +397,7 @@ def build_gateway(settings: Settings) -> Gateway:
         worker=ModelWorker(settings.max_queue, metrics),
         metrics=metrics,
         table=table,
+        profile_file=profile_file,
         io_pool=io_pool,
     )
 

@@ -95,7 +95,7 @@ class PrefixLoader:
         geometry: KVGeometry,
         pool: ThreadPoolExecutor,
         profile: CostProfile,
-        window: int = 3,
+        window: int = 2,
     ) -> None:
         self.store = store
         self.geometry = geometry
@@ -139,12 +139,15 @@ class PrefixLoader:
         if metered:
             self.bandwidth.begin()
         received = 0
+        cpu = time.thread_time()
         try:
             data = self.store.get(key)
             received = len(data)
         finally:
             if metered:
                 self.bandwidth.end(received)
+        if metered and received:
+            self.profile.observe_receive(received, time.thread_time() - cpu)
         return _Fetched(data, issued, time.perf_counter())
 
 
@@ -183,9 +186,8 @@ class _LoadRun:
             for i, chunk in enumerate(self.chunks):
                 if cancel.is_set():
                     break
-                if not self.request.fixed:
-                    self._replan(i)
-                self._issue(i)
+                if i >= self.committed:
+                    self._advance(i)
                 if not self._consume(i, chunk, kv):
                     break
                 loaded = chunk.end
@@ -224,7 +226,11 @@ class _LoadRun:
         remaining = [
             ChunkCosts(
                 bytes={n: 0 if c.resident.get(n) else c.sizes[n] for n in names if n in c.sizes},
-                decode_s={n: profile.decode_seconds(n, c.tokens) for n in names},
+                decode_s={
+                    n: profile.decode_seconds(n, c.tokens)
+                    + (0 if c.resident.get(n) else profile.receive_seconds(c.sizes.get(n, 0)))
+                    for n in names
+                },
                 recompute_s=profile.prefill_seconds(c.tokens, c.start),
             )
             for c in self.chunks[self.committed :]
@@ -260,6 +266,12 @@ class _LoadRun:
             self.result.planned_s = elapsed + chosen.predicted_s
         self.sources[self.committed :] = chosen.sources
 
+    def _advance(self, current: int) -> None:
+        """Plan the chunks not yet committed, and fill the window of fetches from ``current`` on."""
+        if not self.request.fixed:
+            self._replan(current)
+        self._issue(current)
+
     def _issue(self, current: int) -> None:
         """Commit chunks in order, fetching store chunks, up to the window of fetches in flight.
 
@@ -285,6 +297,7 @@ class _LoadRun:
         source = self.sources[i]
         assert source is not None
         if source == TEXT:
+            self._advance(i + 1)  # later chunks travel while this one is recomputed
             t = time.perf_counter()
             self.runner.prefill_into(kv, chunk.start, list(self.token_ids[chunk.start : chunk.end]))
             seconds = time.perf_counter() - t
@@ -303,6 +316,7 @@ class _LoadRun:
             self.result.faults.append("store_unavailable")
             return False
         idle = time.perf_counter() - waited
+        self._advance(i + 1)  # the link is free for the next fetch while this chunk decodes
         t = time.perf_counter()
         try:
             decoded = decode_chunk(fetched.data)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field, fields
@@ -39,6 +40,10 @@ class CostProfile:
     prefill_overhead_s: float
     prefill_s_per_token: float
     prefill_s_per_token_position: float
+    # CPU seconds per byte the I/O threads spend receiving a fetch (client library, copies). On a
+    # machine with few cores it competes with decode and prefill, so the planner charges it to
+    # the compute side: a raw chunk is 15x the bytes of a lossy one. Learned while serving.
+    receive_s_per_byte: float = 0.0
     version: int = PROFILE_VERSION
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -60,6 +65,17 @@ class CostProfile:
             if old is not None:
                 new = (1 - _EWMA) * old + _EWMA * min(new, 4 * old)  # one descheduled decode is no trend
             self.decode_s_per_token[level] = new
+
+    def receive_seconds(self, nbytes: int) -> float:
+        return self.receive_s_per_byte * nbytes
+
+    def observe_receive(self, nbytes: int, cpu_seconds: float) -> None:
+        if nbytes < 65536:
+            return  # small objects are all per-request overhead
+        with self._lock:
+            new = max(cpu_seconds, 0.0) / nbytes
+            old = self.receive_s_per_byte
+            self.receive_s_per_byte = new if old == 0.0 else (1 - _EWMA) * old + _EWMA * new
 
     def observe_prefill(self, tokens: int, past: int, seconds: float) -> None:
         """Scale the whole prefill model by how far a real prefill was from its prediction."""
@@ -91,6 +107,7 @@ class CostProfile:
             prefill_overhead_s=float(data["prefill_overhead_s"]),
             prefill_s_per_token=float(data["prefill_s_per_token"]),
             prefill_s_per_token_position=float(data["prefill_s_per_token_position"]),
+            receive_s_per_byte=max(float(data.get("receive_s_per_byte", 0.0)), 0.0),
         )
 
 
@@ -106,10 +123,11 @@ def profile_key(fingerprint_hex: str, runner: ModelRunner, levels: list[Level], 
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
-def load_or_measure(
-    cache_dir: Path, key: str, runner: ModelRunner, levels: list[Level], chunk_size: int
-) -> CostProfile:
-    path = cache_dir / "profiles" / f"{key}.json"
+def profile_path(cache_dir: Path, key: str) -> Path:
+    return cache_dir / "profiles" / f"{key}.json"
+
+
+def load_or_measure(path: Path, runner: ModelRunner, levels: list[Level], chunk_size: int) -> CostProfile:
     try:
         profile = CostProfile.from_json(path.read_text())
         if all(lv.name in profile.decode_s_per_token for lv in levels):
@@ -122,14 +140,19 @@ def load_or_measure(
     started = time.perf_counter()
     profile = measure(runner, levels, chunk_size)
     log.info("measured the cost profile in %.1f s: %s", time.perf_counter() - started, profile)
+    save(profile, path)
+    return profile
+
+
+def save(profile: CostProfile, path: Path) -> None:
+    """Write the profile (as corrected by serving, at shutdown) for the next process to start from."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(profile.to_json())
         tmp.replace(path)
     except OSError as exc:  # a read-only cache dir costs a re-measure next start, nothing more
         log.warning("could not cache the cost profile at %s: %s", path, exc)
-    return profile
 
 
 def measure(runner: ModelRunner, levels: list[Level], chunk_size: int) -> CostProfile:
