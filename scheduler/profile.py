@@ -31,7 +31,7 @@ from engine import ModelRunner
 log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 1
-_EWMA = 0.3  # weight of the newest measurement
+_EWMA = 0.2  # weight of the newest measurement
 
 
 @dataclass
@@ -63,7 +63,7 @@ class CostProfile:
             old = self.decode_s_per_token.get(level)
             new = seconds / tokens
             if old is not None:
-                new = (1 - _EWMA) * old + _EWMA * min(new, 4 * old)  # one descheduled decode is no trend
+                new = (1 - _EWMA) * old + _EWMA * min(new, 2 * old)  # one descheduled decode is no trend
             self.decode_s_per_token[level] = new
 
     def receive_seconds(self, nbytes: int) -> float:
