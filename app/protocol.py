@@ -188,5 +188,5 @@ class KVCacheInfo(BaseModel):
     bandwidth_mbps: float | None = None  # link estimate after loading (megabits per second)
     budget_ms: float | None = None  # the kv_slo_ms in force
     planned_ms: float | None = None  # the first plan's prediction for load + prefill
-    prompt_ms: float = 0.0  # from admission to the first token's logits (queueing included)
+    prompt_ms: float = 0.0  # from arrival to the first token's logits (tokenization and queueing included)
     slo_met: bool | None = None  # prompt_ms within the budget

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,9 +17,10 @@ from scheduler.executor import Finished, GenerationJob, PromptDone, TokenEvent
 async def chat_completion(
     gateway: Gateway, request: ChatCompletionRequest
 ) -> JSONResponse | StreamingResponse:
+    admitted = time.perf_counter()  # a kv_slo_ms budget counts tokenization too
     gateway.check_model(request.model)
     prompt_ids = gateway.chat_token_ids(request.messages, add_generation_prompt=True)
-    job = gateway.job(request, prompt_ids, request.requested_max_tokens())
+    job = gateway.job(request, prompt_ids, request.requested_max_tokens(), admitted=admitted)
     if request.stream:
         chunks = _stream(gateway, job, request.include_usage)
         return stream_response(

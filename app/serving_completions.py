@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,11 +53,13 @@ def _prompt_text(gateway: Gateway, request: CompletionRequest, job: GenerationJo
 
 
 async def completion(gateway: Gateway, request: CompletionRequest) -> JSONResponse | StreamingResponse:
+    admitted = time.perf_counter()  # a kv_slo_ms budget counts tokenization too
     gateway.check_model(request.model)
     job = gateway.job(
         request,
         _prompt_ids(gateway, request),
         request.max_tokens,
+        admitted=admitted,
         prompt_logprobs=request.logprobs if request.echo else None,
         logprobs=request.logprobs,
     )

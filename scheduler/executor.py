@@ -35,8 +35,8 @@ class GenerationJob:
     kv: KVRequest | None  # None: do not use stored KV
     prompt_logprobs: int | None = None  # echo: logprobs of the prompt tokens, with this many top entries
     logprobs: int | None = None  # logprobs of generated tokens, with this many top entries
-    # when the request was admitted (time.perf_counter): a kv_slo_ms budget counts from here,
-    # so time spent waiting for the model thread counts against it
+    # when the request arrived (time.perf_counter): a kv_slo_ms budget counts from here, so
+    # tokenization and waiting for the model thread count against it
     admitted: float = field(default_factory=time.perf_counter)
 
 
@@ -60,7 +60,7 @@ class PrefixReport:
     bandwidth_bps: float | None = None  # the link estimate, bytes per second
     budget_ms: float | None = None
     planned_ms: float | None = None  # what the first plan predicted for the prompt
-    prompt_ms: float = 0.0  # admission to first-token logits: what the budget is held to
+    prompt_ms: float = 0.0  # arrival to first-token logits: what the budget is held to
 
     @property
     def slo_met(self) -> bool | None:
