@@ -237,8 +237,6 @@ class _LoadRun:
         ]
         prefix_end = self.chunks[-1].end
         budget = self.request.budget_s
-        if budget is not None:
-            budget /= self.loader.slowdown
         elapsed = time.perf_counter() - self.started
         chosen = plan(
             PlanInputs(
@@ -249,7 +247,8 @@ class _LoadRun:
                 suffix_s=profile.prefill_seconds(self.prompt_tokens - prefix_end, prefix_end),
                 link_busy_s=link_busy,
                 compute_busy_s=compute_busy,
-                budget_s=None if budget is None else budget - elapsed,
+                # what the model predicts takes ``slowdown`` times longer: plan for that
+                budget_s=None if budget is None else (budget - elapsed) / self.loader.slowdown,
                 allow_text=self.request.allow_text and measured,
             )
         )
@@ -262,7 +261,7 @@ class _LoadRun:
             "" if measured else " assumed",
             None if budget is None else round(budget - elapsed, 3),
         )
-        if self.result.planned_s is None:
+        if self.result.planned_s is None and measured:  # a plan on the prior rate is no prediction
             self.result.planned_s = elapsed + chosen.predicted_s
         self.sources[self.committed :] = chosen.sources
 
