@@ -97,7 +97,9 @@ class RequestExecutor:
     def run(self, job: GenerationJob, emit: Callable[[Any], None], cancel: threading.Event) -> None:
         tokenizer = self.runner.tokenizer
         t0 = time.perf_counter()
-        load = self._load_prefix(job, job.admitted, cancel)
+        # the last prompt token is always recomputed: its logits give the first output token
+        keys = self.contexts.keys(job.prompt_ids[:-1]) if job.kv is not None else []
+        load = self._load_prefix(job, keys, cancel)
         t1 = time.perf_counter()
         cached = load.tokens
         kv = load.kv if load.kv is not None else self.runner.new_kv(len(job.prompt_ids) + job.max_tokens)
@@ -111,7 +113,7 @@ class RequestExecutor:
         load.kv = kv = None  # the cache holds the buffer now
         self.loader.profile.observe_prefill(len(job.prompt_ids) - cached, cached, t2 - t1)
         self.loader.observe_outcome(load.planned_s, t2 - job.admitted)
-        self._write_back(job, load, state.cache)
+        self._write_back(keys, load, state.cache)
         prompt_lp = None
         if job.prompt_logprobs is not None:
             prompt_lp = self._prompt_logprobs(job, cached, state.prompt_logits)
@@ -153,12 +155,10 @@ class RequestExecutor:
             generator.close()
         emit(Finished(reason, produced, text.finish()))
 
-    def _load_prefix(self, job: GenerationJob, started: float, cancel: threading.Event) -> PrefixLoad:
-        # the last prompt token is always recomputed: its logits give the first output token
+    def _load_prefix(self, job: GenerationJob, keys: list[str], cancel: threading.Event) -> PrefixLoad:
         usable = job.prompt_ids[:-1]
         if job.kv is None:
             return PrefixLoad(kv=None)
-        keys = self.contexts.keys(usable)
         stored = StoredPrefix()
         if keys:
             stored = find_stored_prefix(
@@ -173,14 +173,13 @@ class RequestExecutor:
             return PrefixLoad(kv=None, faults=stored.faults)
         capacity = len(job.prompt_ids) + job.max_tokens
         return self.loader.load(
-            self.runner, stored, usable, job.kv, len(job.prompt_ids), started, cancel, capacity
+            self.runner, stored, usable, job.kv, len(job.prompt_ids), job.admitted, cancel, capacity
         )
 
-    def _write_back(self, job: GenerationJob, load: PrefixLoad, cache: Any) -> None:
+    def _write_back(self, keys: list[str], load: PrefixLoad, cache: Any) -> None:
         """Store the full chunks after the loaded prefix (a miss), if write-back is on."""
-        if self.write_back is None or job.kv is None:
+        if self.write_back is None or not keys:
             return
-        keys = self.contexts.keys(job.prompt_ids[:-1])
         first = load.tokens // self.contexts.chunk_size
         if len(keys) > first:
             self.write_back.submit(keys, cache, first=first, exact=load.exact)

@@ -83,8 +83,8 @@ def plan(inputs: PlanInputs) -> Plan:
     k, j = k[keep], j[keep]
     m = k + j  # chunks [k, m) at level a, [m, n) at level b
 
-    ends, dists, ks, js, which = [], [], [], [], []
-    for p, (a, b) in enumerate(pairs):
+    ends, dists = [], []  # per pair, one entry per (k, j)
+    for a, b in pairs:
         size_a, dec_a = _sums(inputs.chunks, a)
         size_b, dec_b = _sums(inputs.chunks, b)
         fetched = (size_a[m] - size_a[k]) + (size_b[n] - size_b[m])
@@ -95,9 +95,6 @@ def plan(inputs: PlanInputs) -> Plan:
         end = np.maximum(compute, link + last) + inputs.suffix_s
         ends.append(np.where(fetched >= _MISSING / 2, np.inf, end))
         dists.append(inputs.distortion[a] * j + inputs.distortion[b] * (n - m))
-        ks.append(k)
-        js.append(j)
-        which.append(np.full(k.shape, p))
     end, dist = np.concatenate(ends), np.concatenate(dists)
     if inputs.budget_s is not None and (end <= inputs.budget_s).any():
         # best quality among the plans that fit, then the fastest of those
@@ -105,8 +102,9 @@ def plan(inputs: PlanInputs) -> Plan:
         i = np.lexsort((end, np.where(fits, dist, np.inf)))[0]
     else:
         i = np.lexsort((dist, end))[0]
-    a, b = pairs[int(np.concatenate(which)[i])]
-    k_i, j_i = int(np.concatenate(ks)[i]), int(np.concatenate(js)[i])
+    pair, at = divmod(int(i), len(k))
+    a, b = pairs[pair]
+    k_i, j_i = int(k[at]), int(j[at])
     return _explicit(inputs, [TEXT] * k_i + [a] * j_i + [b] * (n - k_i - j_i))
 
 
