@@ -267,14 +267,19 @@ class _LoadRun:
             self.result.planned_s = elapsed + chosen.predicted_s
         self.sources[self.committed :] = chosen.sources
 
-    def _advance(self, current: int) -> None:
-        """Plan the chunks not yet committed, and fill the window of fetches from ``current`` on."""
+    def _advance(self, current: int, busy_s: float = 0.0) -> None:
+        """Plan the chunks not yet committed, and fill the fetch window from ``current`` on.
+
+        ``busy_s``: the model thread is about to be busy this long (a text chunk), so enough
+        fetches are issued to keep the link working until it comes back.
+        """
         if not self.request.fixed:
             self._replan(current)
-        self._issue(current)
+        self._issue(current, busy_s * self._rate()[0])
 
-    def _issue(self, current: int) -> None:
-        """Commit chunks in order, fetching store chunks, up to the window of fetches in flight.
+    def _issue(self, current: int, ahead_bytes: float = 0.0) -> None:
+        """Commit chunks in order, fetching store chunks: at least ``window`` transfers in flight,
+        and at least ``ahead_bytes`` fetched or in flight beyond what the model has consumed.
 
         Text chunks commit as soon as the pointer reaches them: the planner puts them first, so
         that later chunks are on the link while the model recomputes them.
@@ -284,7 +289,10 @@ class _LoadRun:
             source = self.sources[self.committed]
             assert source is not None
             if source != TEXT:
-                if sum(1 for j in self.pending if j >= current) >= window:
+                ahead = [j for j in self.pending if j >= current]
+                in_flight = sum(1 for j in ahead if not self.pending[j].done())
+                queued = sum(self.chunks[j].sizes[self.sources[j]] for j in ahead)  # type: ignore[index]
+                if in_flight >= window and queued >= ahead_bytes:
                     return
                 chunk = self.chunks[self.committed]
                 self.pending[self.committed] = self.loader.pool.submit(
@@ -298,7 +306,8 @@ class _LoadRun:
         source = self.sources[i]
         assert source is not None
         if source == TEXT:
-            self._advance(i + 1)  # later chunks travel while this one is recomputed
+            # later chunks travel while this one is recomputed
+            self._advance(i + 1, self.loader.profile.prefill_seconds(chunk.tokens, chunk.start))
             t = time.perf_counter()
             self.runner.prefill_into(kv, chunk.start, list(self.token_ids[chunk.start : chunk.end]))
             seconds = time.perf_counter() - t
