@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # first request's first chunk is planned with it; text is not chosen on it.
 PRIOR_BYTES_PER_SECOND = 12.5e6
 _SLOWDOWN_EWMA = 0.3
-BUDGET_SHARE = 0.9
+BUDGET_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,7 @@ class _LoadRun:
                 suffix_s=profile.prefill_seconds(self.prompt_tokens - prefix_end, prefix_end),
                 link_busy_s=link_busy,
                 compute_busy_s=compute_busy,
-                # what the model predicts takes ``slowdown`` times longer, and a tenth of what is
+                # what the model predicts takes ``slowdown`` times longer, and a fifth of what is
                 # left is kept back for what no model sees coming (a dip of the link, a busy core)
                 budget_s=None if budget is None else BUDGET_SHARE * (budget - elapsed) / self.loader.slowdown,
                 allow_text=self.request.allow_text and measured,
