@@ -8,7 +8,8 @@ request.
 Time model of the pipeline (fetch overlaps compute; decode, text prefill and
 the final prefill share the compute side, in chunk order):
 
-    end = max(compute_busy + recompute + decode,  link_busy + bytes / rate + last decode) + suffix
+    start = max(compute_busy, link_busy)   # the chunks already committed are consumed first, in order
+    end = max(start + recompute + decode,  link_busy + bytes / rate + last decode) + suffix
 
 Candidate plans: the first ``k`` remaining chunks as text (prefilled while
 later chunks are still on the link), then ``j`` chunks at a level ``a`` and
@@ -83,12 +84,13 @@ def plan(inputs: PlanInputs) -> Plan:
     k, j = k[keep], j[keep]
     m = k + j  # chunks [k, m) at level a, [m, n) at level b
 
+    start = _compute_start(inputs)
     ends, dists = [], []  # per pair, one entry per (k, j)
     for a, b in pairs:
         size_a, dec_a = _sums(inputs.chunks, a)
         size_b, dec_b = _sums(inputs.chunks, b)
         fetched = (size_a[m] - size_a[k]) + (size_b[n] - size_b[m])
-        compute = inputs.compute_busy_s + recompute[k] + (dec_a[m] - dec_a[k]) + (dec_b[n] - dec_b[m])
+        compute = start + recompute[k] + (dec_a[m] - dec_a[k]) + (dec_b[n] - dec_b[m])
         link = inputs.link_busy_s + fetched / max(inputs.rate_bps, 1.0)
         last_a = dec_a[np.maximum(m, 1)] - dec_a[np.maximum(m, 1) - 1]
         last = np.where(m < n, dec_b[n] - dec_b[n - 1], np.where(j > 0, last_a, 0.0))
@@ -119,7 +121,7 @@ def _sums(chunks: list[ChunkCosts], level: str) -> tuple[np.ndarray, np.ndarray]
 
 def predict(inputs: PlanInputs, sources: list[str]) -> float:
     """The time model for one explicit plan (the search above evaluates the same formula)."""
-    compute, link, last = inputs.compute_busy_s, inputs.link_busy_s, 0.0
+    compute, link, last = _compute_start(inputs), inputs.link_busy_s, 0.0
     for chunk, source in zip(inputs.chunks, sources, strict=True):
         if source == TEXT:
             compute += chunk.recompute_s
@@ -130,6 +132,12 @@ def predict(inputs: PlanInputs, sources: list[str]) -> float:
         last = chunk.decode_s.get(source, 0.0)
         compute += last
     return max(compute, link + last) + inputs.suffix_s
+
+
+def _compute_start(inputs: PlanInputs) -> float:
+    """When the model is free for the remaining chunks: chunks are consumed in order, so those
+    already committed must have arrived (``link_busy``) and been decoded (``compute_busy``)."""
+    return max(inputs.compute_busy_s, inputs.link_busy_s)
 
 
 def _explicit(inputs: PlanInputs, sources: list[str]) -> Plan:
