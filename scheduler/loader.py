@@ -136,9 +136,7 @@ class PrefixLoader:
     def fetch(self, chunk: StoredChunk, level: Level) -> _Fetched:
         key = chunk_object_key(chunk.key, level.name, level_digest(level))
         metered = not chunk.resident.get(level.name, False)
-        issued = time.perf_counter()
-        if metered:
-            self.bandwidth.begin()
+        issued = self.bandwidth.begin()
         received = 0
         cpu = time.thread_time()
         try:
@@ -146,7 +144,7 @@ class PrefixLoader:
             received = len(data)
         finally:
             if metered:
-                self.bandwidth.end(received)
+                self.bandwidth.end(issued, received)
         if metered and received:
             self.profile.observe_receive(received, time.thread_time() - cpu)
         return _Fetched(data, issued, time.perf_counter())

@@ -11,9 +11,9 @@ from scheduler.bandwidth import BandwidthEstimator
 
 
 def transfer(est: BandwidthEstimator, nbytes: int, seconds: float) -> None:
-    est.begin()
+    started = est.begin()
     time.sleep(seconds)
-    est.end(nbytes)
+    est.end(started, nbytes)
 
 
 def parallel_round(est: BandwidthEstimator, n: int, nbytes: int, rate: float) -> None:
@@ -52,3 +52,14 @@ def test_follows_a_rate_change_within_a_window():
     for _ in range(8):
         transfer(est, 4_000, 0.02)  # 0.2 MB/s
     assert est.bytes_per_second < 0.3e6
+
+
+def test_a_bunch_finishing_after_a_long_shared_transfer_is_not_a_burst():
+    """Five fetches share a 2.5 MB/s link for 0.8 s and finish within a few ms of each other."""
+    est = BandwidthEstimator()
+    start = est.begin()
+    time.sleep(0.8)
+    for _ in range(5):
+        est.end(start, 400_000)
+        time.sleep(0.002)
+    assert est.bytes_per_second <= 2.6e6
