@@ -38,329 +38,42 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
-import random
 import signal
 import statistics
-import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
-
-import httpx
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gateway_bench import real_text, ttft
-from benchmarks.link_proxy import Trace
-from tests.gateway_process import GatewayProcess, free_port
+from benchmarks.adaptive_common import (
+    FIXED_LEVELS,
+    LLAMA_CPP_WARM_4K_S,
+    Bench,
+    Context,
+    Link,
+    Method,
+    describe,
+    fixed_rate_methods,
+    fmt_cell,
+    link_check,
+    loadavg,
+    measure_fresh,
+    median_record,
+    ok,
+    pre_encode,
+    print_checks,
+    question,
+    ratio,
+    sources_text,
+)
+from benchmarks.adaptive_trace import print_trace, run_trace
+from benchmarks.gateway_bench import real_text
 from tests.support.seaweed import SeaweedServer
-
-BASELINES_TABLE = "codec/levels/SmolLM2-135M-Instruct+baselines.json"
-FIXED_LEVELS = ("fp16", "int8", "lossless", "high", "medium", "low")
-VALUES_PER_TOKEN = 30 * 2 * 3 * 64  # SmolLM2-135M: layers x (K, V) x KV heads x head dim
-LLAMA_CPP_WARM_4K_S = 0.69  # llama.cpp, warm prefix hit of a ~4K-token context on this machine
-QUESTIONS = [
-    "Summarize the text.",
-    "What is the main topic of the text?",
-    "Name three modules the text describes.",
-    "Which class is described first?",
-    "What does the text say about threads?",
-    "Give one example of a function the text mentions.",
-    "What is the text about, in one sentence?",
-    "Which module handles paths?",
-    "What does the text say about errors?",
-    "List two data structures from the text.",
-]
-WARM_UP_QUESTION = "Repeat the first word of the text."
-
-
-def question(i: int) -> str:
-    base = QUESTIONS[i % len(QUESTIONS)]
-    return base if i < len(QUESTIONS) else f"{base} (take {i // len(QUESTIONS) + 1})"
-
-
-# -- the methods --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str
-    extra: dict[str, Any]  # request extension fields
-    baselines: bool = True  # gateway on the baselines level table (else the default table)
-    lru: bool = False  # in-memory LRU on (else every read goes over the link)
-    warm_up: bool = False  # one request before the measured one, in the same process
-
-
-def fixed_rate_methods(slo_ms: float | None) -> list[Method]:
-    methods = [Method("recompute", {"kv_cache": False})]
-    methods += [Method(level, {"kv_quality": level}) for level in FIXED_LEVELS]
-    methods.append(Method("auto", {"kv_quality": "auto"}, baselines=False))
-    if slo_ms is not None:
-        methods.append(Method("auto+slo", {"kv_quality": "auto", "kv_slo_ms": slo_ms}, baselines=False))
-    hot = Method("memory-hot lossless", {"kv_quality": "lossless"}, baselines=False, lru=True, warm_up=True)
-    return [*methods, hot]
-
-
-# -- processes: S3, links, gateways ---------------------------------------------------------------------
-
-
-@dataclass
-class Bench:
-    """What every gateway of the run shares: the S3 server, the bucket, logs, thread and log settings."""
-
-    server: SeaweedServer
-    bucket: str
-    log_dir: Path
-    torch_threads: int | None
-    log_level: str
-
-    def gateway_env(self, endpoint: str, *, baselines: bool, lru: bool) -> dict[str, str]:
-        env = {
-            **self.server.env(),
-            "AWS_ENDPOINT_URL": endpoint,
-            "CACHEGEN_STORE": f"s3://{self.bucket}/adaptive",
-            "CACHEGEN_LOG_LEVEL": self.log_level,
-        }
-        if baselines:
-            env["CACHEGEN_LEVELS_FILE"] = str(REPO / BASELINES_TABLE)
-        if not lru:
-            env["CACHEGEN_STORE_CACHE_BYTES"] = "0"
-        if self.torch_threads is not None:
-            env["CACHEGEN_TORCH_THREADS"] = str(self.torch_threads)
-        return env
-
-    def gateway(self, endpoint: str, method: Method, log_name: str) -> GatewayProcess:
-        env = self.gateway_env(endpoint, baselines=method.baselines, lru=method.lru)
-        return GatewayProcess(env, self.log_dir / f"{log_name}.log")
-
-
-class Link:
-    """benchmarks/link_proxy.py as a process of its own (the rate holds at Gbit/s only that way)."""
-
-    def __init__(
-        self,
-        target: str,
-        *,
-        rate_mbps: float | None = None,
-        trace_file: Path | None = None,
-        port: int | None = None,
-        burst_ms: float = 5.0,
-    ) -> None:
-        self.target = target.removeprefix("http://")
-        self.port = port or free_port()
-        shape = ["--rate", f"{rate_mbps:g}mbit"] if trace_file is None else ["--trace", str(trace_file)]
-        self.args = [
-            sys.executable,
-            str(REPO / "benchmarks" / "link_proxy.py"),
-            *("--target", self.target, "--listen", f"127.0.0.1:{self.port}", "--burst-ms", f"{burst_ms:g}"),
-            *shape,
-        ]
-        self.proc: subprocess.Popen[str] | None = None
-        self.started = 0.0  # perf_counter when it listened (a trace starts then)
-        self.description = ""
-        self.stop_line = ""
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Link:
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
-        self.started = time.perf_counter()
-        if not line.startswith("listening on"):
-            rest = self.proc.communicate(timeout=10)[0]
-            raise RuntimeError(f"link proxy did not start: {line}{rest}")
-        self.description = line.strip()
-        return self
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.stop_line = self.proc.communicate(timeout=10)[0].strip()
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def link_check(server: SeaweedServer, bucket: str, endpoint: str, size: int = 4 * 2**20) -> float:
-    """Mbit/s of one GET of ``size`` bytes through ``endpoint``: is the link the rate it was set to?"""
-    import boto3
-    from botocore.config import Config
-
-    key = "adaptive-link-check"
-    server.client().put_object(Bucket=bucket, Key=key, Body=os.urandom(size))
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name=server.region,
-        aws_access_key_id=server.access_key,
-        aws_secret_access_key=server.secret_key,
-        config=Config(s3={"addressing_style": "path"}),
-    )
-    client.head_object(Bucket=bucket, Key=key)  # the connection is open before the clock starts
-    t0 = time.perf_counter()
-    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
-    return len(body) * 8 / (time.perf_counter() - t0) / 1e6
-
-
-# -- requests -------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Context:
-    size: int  # tokens asked of real_text
-    text: str
-    tokens: int = 0  # the templated system message, as the gateway counts it
-    bytes: dict[str, int] = field(default_factory=dict)  # stored bytes per level
-    encode_seconds: float = 0.0
-
-    def messages(self, q: str) -> list[dict]:
-        return [{"role": "system", "content": self.text}, {"role": "user", "content": q}]
-
-    def summary(self) -> dict:
-        bits = {lv: n * 8 / (self.tokens * VALUES_PER_TOKEN) for lv, n in self.bytes.items()}
-        return {
-            "size": self.size,
-            "tokens": self.tokens,
-            "bytes": self.bytes,
-            "bits_per_value": bits,
-            "encode_seconds": self.encode_seconds,
-        }
-
-
-def pre_encode(bench: Bench, contexts: list[Context]) -> None:
-    """Every context at every level of the baselines table, straight to SeaweedFS (no proxy)."""
-    method = Method("encode", {})
-    with bench.gateway(bench.server.endpoint_url, method, "encode") as gw:
-        for ctx in contexts:
-            body = {"messages": [{"role": "system", "content": ctx.text}]}
-            r = httpx.post(f"{gw.url}/contexts", json=body, timeout=1800)
-            r.raise_for_status()
-            created = r.json()
-            ctx.tokens, ctx.bytes, ctx.encode_seconds = (
-                created["tokens"],
-                created["bytes"],
-                created["encode_seconds"],
-            )
-            print(
-                f"encoded {ctx.tokens} tokens in {ctx.encode_seconds:.1f} s: "
-                + ", ".join(f"{lv} {n / 1e6:.1f} MB" for lv, n in ctx.bytes.items()),
-                flush=True,
-            )
-
-
-def ask(url: str, ctx: Context, q: str, extra: dict) -> dict:
-    """One streamed request with ``max_tokens`` 1; the client-clock TTFT and what the gateway reports.
-
-    A failed request is a record too (``ttft_s`` None, ``error``): a long run goes on without it.
-    """
-    at, load = time.time(), os.getloadavg()[0]
-    try:
-        seconds, info = ttft(url, ctx.messages(q), {"max_tokens": 1, **extra})
-    except (httpx.HTTPError, AssertionError) as exc:
-        return failed(exc, at=at, loadavg_1m=load)
-    return {**request_record(seconds, info), "at": at, "loadavg_1m": round(load, 2)}
-
-
-def failed(exc: BaseException, **fields: Any) -> dict:
-    return {"ttft_s": None, "error": f"{type(exc).__name__}: {exc}"[:2000], **fields}
-
-
-def request_record(ttft_s: float, info: dict) -> dict:
-    chunks = info.get("chunks") or []
-    store = [c for c in chunks if c["source"] == "store"]
-    load_ms, prefill_ms = info.get("load_ms") or 0.0, info.get("prefill_ms") or 0.0
-    stored_tokens = sum(c["tokens"] for c in store)
-    fetched = sum(c["bytes"] for c in store)
-    return {
-        "ttft_s": ttft_s,
-        "gateway_ms": load_ms + prefill_ms,
-        "load_ms": load_ms,
-        "prefill_ms": prefill_ms,
-        "bytes": fetched,
-        "cached_tokens": info.get("cached_tokens", 0),
-        "recomputed_tokens": info.get("recomputed_tokens", 0),
-        "store_tokens": stored_tokens,
-        "text_chunk_tokens": sum(c["tokens"] for c in chunks if c["source"] == "text"),
-        "bits_per_value": fetched * 8 / (stored_tokens * VALUES_PER_TOKEN) if stored_tokens else None,
-        "sources": dict(Counter(c["level"] or "text" for c in chunks)),
-        "bandwidth_mbps": info.get("bandwidth_mbps"),
-        "budget_ms": info.get("budget_ms"),
-        "planned_ms": info.get("planned_ms"),
-        "slo_met": info.get("slo_met"),
-        "faults": info.get("faults", []),
-        "chunks": chunks,
-    }
-
-
-def measure_fresh(bench: Bench, endpoint: str, method: Method, ctx: Context, q: str, log_name: str) -> dict:
-    """One measured request on a fresh gateway process (after a warm-up request for memory-hot)."""
-    try:
-        with bench.gateway(endpoint, method, log_name) as gw:
-            warm = ask(gw.url, ctx, WARM_UP_QUESTION, method.extra) if method.warm_up else None
-            record = ask(gw.url, ctx, q, method.extra)
-    except RuntimeError as exc:  # the gateway did not start; its log tail is in the message
-        return failed(exc)
-    if warm is not None:
-        record["warm_up"] = {k: warm.get(k) for k in ("ttft_s", "error", "bytes", "load_ms", "sources")}
-    return record
-
-
-def describe(record: dict) -> str:
-    """One progress line's worth of a record."""
-    if record["ttft_s"] is None:
-        return f"FAILED: {record['error'][:300]}"
-    return (
-        f"TTFT {record['ttft_s']:.3f} s (gateway {record['gateway_ms']:.0f} ms), "
-        f"{record['bytes'] / 1e6:.1f} MB, {sources_text(record['sources'])}"
-    )
-
-
-# -- statistics -----------------------------------------------------------------------------------------
-
-
-def median_record(records: list[dict]) -> dict:
-    """The record of the median TTFT (the lower middle one for an even count)."""
-    ordered = sorted(records, key=lambda r: r["ttft_s"])
-    return ordered[(len(ordered) - 1) // 2]
-
-
-def ok(records: list[dict]) -> list[dict]:
-    return [r for r in records if r["ttft_s"] is not None]
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
-
-
-def sources_text(sources: dict[str, int]) -> str:
-    order = ["text", *FIXED_LEVELS]
-    return " ".join(
-        f"{sources[s]}x{s}" for s in sorted(sources, key=lambda s: order.index(s) if s in order else 99)
-    )
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-# -- part 1: fixed rates ----------------------------------------------------------------------------------
 
 
 def run_fixed(
@@ -484,7 +197,7 @@ def print_fixed(part: dict) -> None:
         for r in (r for r in rows if (r["rate_mbps"], r["context"]) == key):
             vs = r["vs"]
             cells = " ".join(
-                _fmt(vs[k], w)
+                fmt_cell(vs[k], w)
                 for k, w in (("recompute", 7), ("int8", 6), ("fp16", 6), ("memory_hot", 6), ("best_fixed", 6))
             )
             runs = ",".join("failed" if t is None else f"{t:.3f}" for t in r["runs_s"])
@@ -493,210 +206,11 @@ def print_fixed(part: dict) -> None:
             )
             mb = None if r["bytes"] is None else r["bytes"] / 1e6
             print(
-                f"{r['method']:>20} {_fmt(r['ttft_s'], 7, '.3f')} {_fmt(r['gateway_ms'], 7, '.0f')} "
-                f"{_fmt(mb, 7)} {_fmt(r['bits_per_value'], 5)} {_fmt(r['cached_tokens'], 6, 'd')} "
-                f"{_fmt(r['recomputed_tokens'], 6, 'd')} {cells}  [{runs}]{extra}"
+                f"{r['method']:>20} {fmt_cell(r['ttft_s'], 7, '.3f')} {fmt_cell(r['gateway_ms'], 7, '.0f')} "
+                f"{fmt_cell(mb, 7)} {fmt_cell(r['bits_per_value'], 5)} {fmt_cell(r['cached_tokens'], 6, 'd')} "
+                f"{fmt_cell(r['recomputed_tokens'], 6, 'd')} {cells}  [{runs}]{extra}"
             )
     print_checks(part["checks"])
-
-
-def print_checks(checks: list[dict]) -> None:
-    if not checks:
-        return
-    print("\ntargets:")
-    for c in checks:
-        verdict = {True: "met", False: "MISSED", None: "n/a"}[c["met"]]
-        where = f"{c['rate_mbps']:g} Mbit/s {c['context']:>5}" if "rate_mbps" in c else "trace"
-        print(
-            f"  {where} {c['method']:>9} {c['target']:<42} {_fmt(c['value'], 7, '.3f')} "
-            f"(limit {c['limit']:.3f})  {verdict}"
-        )
-
-
-def _fmt(value: float | None, width: int, spec: str = ".2f") -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
-
-
-# -- part 2: a varying link -------------------------------------------------------------------------------
-
-
-def make_trace(seed: int, intervals: int, interval_ms: float, low: float, high: float) -> dict:
-    """Rates drawn log-uniformly between ``low`` and ``high`` Mbit/s, one per interval, from a fixed seed."""
-    rng = random.Random(seed)
-    rates = [round(math.exp(rng.uniform(math.log(low), math.log(high))), 1) for _ in range(intervals)]
-    return {"interval_ms": interval_ms, "rates_mbps": rates}
-
-
-def mean_rate(trace: Trace, start_s: float, seconds: float) -> float:
-    """Mean link rate (Mbit/s) the trace held over [start, start + seconds]."""
-    step = trace.interval_ms / 1e3
-    t, end, bits = start_s, start_s + max(seconds, 1e-9), 0.0
-    while t < end:
-        boundary = min(end, (math.floor(t / step + 1e-9) + 1) * step)
-        bits += trace.rate_at(t) * (boundary - t)
-        t = boundary
-    return bits / (end - start_s) / 1e6
-
-
-def trace_series(
-    bench: Bench,
-    trace_file: Path,
-    method: Method,
-    ctx: Context,
-    args: argparse.Namespace,
-    records: list[dict],
-    checkpoint: Callable[[], None],
-) -> None:
-    """``--trace-requests`` requests on one gateway process, at fixed slots from the trace's start.
-
-    The gateway starts first, pointed at the proxy's port (it touches the store only on a request),
-    then the proxy, so the trace starts when the first request is due. A request that overruns its
-    slot delays the next one (``late_s``), which then meets other rates than the other methods did.
-    """
-    trace = Trace.load(trace_file)
-    port = free_port()
-    with (
-        bench.gateway(f"http://127.0.0.1:{port}", method, f"trace-{method.name}") as gw,
-        Link(bench.server.endpoint_url, trace_file=trace_file, port=port, burst_ms=args.burst_ms) as link,
-    ):
-        for i in range(args.trace_requests):
-            due = link.started + i * args.trace_period_s
-            time.sleep(max(0.0, due - time.perf_counter()))
-            offset = time.perf_counter() - link.started
-            record = ask(gw.url, ctx, question(i), method.extra)
-            record.update(
-                method=method.name,
-                request=i,
-                trace_offset_s=offset,
-                late_s=max(0.0, offset - i * args.trace_period_s),
-                rate_at_start_mbps=trace.rate_at(offset) / 1e6,
-                mean_rate_mbps=None
-                if record["ttft_s"] is None
-                else mean_rate(trace, offset, record["ttft_s"]),
-            )
-            records.append(record)
-            checkpoint()
-            print(
-                f"  trace {method.name:>9} #{i:<2} at {offset:6.2f} s "
-                f"({record['rate_at_start_mbps']:5.0f} Mbit/s): {describe(record)}",
-                flush=True,
-            )
-
-
-def summarize_trace(records: list[dict], slo_s: float) -> dict:
-    """A failed request counts as a miss; TTFT statistics are over the answered ones."""
-    ttfts = [r["ttft_s"] for r in ok(records)]
-    bits = [r["bits_per_value"] for r in ok(records) if r["bits_per_value"] is not None]
-    stored = sum(r["store_tokens"] for r in ok(records))
-    loaded = sum(r["text_chunk_tokens"] + r["store_tokens"] for r in ok(records))
-    return {
-        "requests": len(records),
-        "failed": len(records) - len(ttfts),
-        "slo_attainment": sum(t <= slo_s for t in ttfts) / len(records) if records else None,
-        "mean_ttft_s": statistics.fmean(ttfts) if ttfts else None,
-        "median_ttft_s": statistics.median(ttfts) if ttfts else None,
-        "max_ttft_s": max(ttfts, default=None),
-        # over the requests that loaded anything; text chunks (exact, 0 bytes) show in text_token_share
-        "mean_bits_per_value": statistics.fmean(bits) if bits else None,
-        "bits_per_value_all": sum(r["bytes"] for r in ok(records)) * 8 / (stored * VALUES_PER_TOKEN)
-        if stored
-        else None,
-        "text_token_share": sum(r["text_chunk_tokens"] for r in ok(records)) / loaded if loaded else None,
-        "late_requests": sum(r["late_s"] > 0.05 for r in records),
-    }
-
-
-def trace_methods(names: list[str], slo_ms: float) -> list[Method]:
-    methods = {"recompute": Method("recompute", {"kv_cache": False})}
-    methods |= {lv: Method(lv, {"kv_quality": lv}) for lv in FIXED_LEVELS}
-    methods["auto"] = Method("auto", {"kv_quality": "auto", "kv_slo_ms": slo_ms}, baselines=False)
-    return [methods[name] for name in names if name != "high"]
-
-
-def run_trace(
-    bench: Bench, ctx: Context, args: argparse.Namespace, part: dict, checkpoint: Callable[[], None]
-) -> None:
-    """Fill ``part`` with the trace, the SLO, records (saved after each), summaries and target checks."""
-    trace = make_trace(args.trace_seed, args.trace_intervals, args.trace_interval_ms, 20, 2000)
-    trace_file = args.out.parent / "adaptive-trace.json"
-    trace_file.write_text(json.dumps(trace))
-    part.update(trace=trace, context=ctx.size)
-    records = part.setdefault("records", [])
-    print(
-        f"\ntrace: {len(trace['rates_mbps'])} x {trace['interval_ms']:g} ms, "
-        f"mean {statistics.fmean(trace['rates_mbps']):.0f} Mbit/s, context {ctx.tokens} tokens",
-        flush=True,
-    )
-    trace_series(bench, trace_file, Method("high", {"kv_quality": "high"}), ctx, args, records, checkpoint)
-    high = [r["ttft_s"] for r in ok(records)]
-    if not (args.trace_slo_ms or high):
-        raise RuntimeError("every request of high failed: no SLO to set (see the gateway logs)")
-    slo_ms = part["slo_ms"] = args.trace_slo_ms or statistics.median(high) * 1000
-    source = "given" if args.trace_slo_ms else "the median TTFT of high"
-    print(f"  SLO: {slo_ms:.0f} ms ({source})", flush=True)
-    for method in trace_methods(args.trace_methods, slo_ms):
-        try:
-            trace_series(bench, trace_file, method, ctx, args, records, checkpoint)
-        except RuntimeError as exc:  # the gateway did not start
-            records.append({**failed(exc), "method": method.name, "late_s": 0.0})
-            print(f"  trace {method.name:>9}: FAILED to start: {exc}", flush=True)
-    part["summaries"] = {
-        m: summarize_trace([r for r in records if r["method"] == m], slo_ms / 1000)
-        for m in dict.fromkeys(r["method"] for r in records)
-    }
-    part["checks"] = check_trace_targets(part["summaries"])
-
-
-def check_trace_targets(summaries: dict[str, dict]) -> list[dict]:
-    auto = summaries.get("auto")
-    if auto is None or auto["slo_attainment"] is None:
-        return []
-    checks = [
-        {
-            "method": "auto",
-            "target": "SLO attainment >= 95%",
-            "value": auto["slo_attainment"],
-            "limit": 0.95,
-            "met": auto["slo_attainment"] >= 0.95,
-        }
-    ]
-    # "bits as high as the SLO allows": at least those of the finest fixed level that meets the SLO as often
-    meeting = [
-        s["mean_bits_per_value"]
-        for m, s in summaries.items()
-        if m in FIXED_LEVELS and (s["slo_attainment"] or 0) >= 0.95 and s["mean_bits_per_value"] is not None
-    ]
-    if meeting and auto["mean_bits_per_value"] is not None:
-        best = max(meeting)
-        checks.append(
-            {
-                "method": "auto",
-                "target": "bits/value >= finest fixed level meeting 95%",
-                "value": auto["mean_bits_per_value"],
-                "limit": best,
-                "met": auto["mean_bits_per_value"] >= best,
-            }
-        )
-    return checks
-
-
-def print_trace(part: dict) -> None:
-    print(f"\n== trace, {part['context']}-token context, SLO {part['slo_ms']:.0f} ms")
-    print(
-        f"{'method':>10} {'SLO met':>8} {'mean bits':>9} {'all bits':>8} {'text':>6} "
-        f"{'mean TTFT':>9} {'median':>7} {'max':>7} {'late':>4} {'failed':>6}"
-    )
-    for method, s in part["summaries"].items():
-        print(
-            f"{method:>10} {_fmt(s['slo_attainment'], 8, '.0%')} {_fmt(s['mean_bits_per_value'], 9)} "
-            f"{_fmt(s['bits_per_value_all'], 8)} {_fmt(s['text_token_share'], 6, '.0%')} "
-            f"{_fmt(s['mean_ttft_s'], 9, '.3f')} {_fmt(s['median_ttft_s'], 7, '.3f')} "
-            f"{_fmt(s['max_ttft_s'], 7, '.3f')} {s['late_requests']:>4} {s['failed']:>6}"
-        )
-    print_checks(part["checks"])
-
-
-# -- main -------------------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
