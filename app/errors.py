@@ -7,6 +7,7 @@ into ``{"error": {"message", "type", "param", "code"}}`` with the right status.
 from __future__ import annotations
 
 import logging
+from typing import ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.errors import ContextNotFound, ManifestError
+from scheduler.kv_memory import KVMemoryExceeded
+from scheduler.step_loop import LoopStopped
 from storage import StorageError
 
 log = logging.getLogger(__name__)
@@ -23,6 +26,7 @@ class APIError(Exception):
     status = 400
     type = "invalid_request_error"
     code: str | None = None
+    headers: ClassVar[dict[str, str] | None] = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -54,6 +58,7 @@ class Overloaded(APIError):
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
+    headers: ClassVar[dict[str, str]] = {"Retry-After": "1"}
 
 
 class StoreFailed(APIError):
@@ -67,7 +72,9 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
 
 
 def _response(exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
+    return JSONResponse(
+        error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status, headers=exc.headers
+    )
 
 
 def to_api_error(exc: Exception) -> APIError:
@@ -76,6 +83,10 @@ def to_api_error(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, ContextNotFound):
         return NotFound(f"context {exc} not found", param="id", code="context_not_found")
+    if isinstance(exc, KVMemoryExceeded):
+        return InvalidRequest(str(exc), param="max_tokens", code="kv_memory_exceeded")
+    if isinstance(exc, LoopStopped):
+        return StoreFailed(str(exc), code="shutting_down")
     if isinstance(exc, ManifestError):
         return StoreFailed(f"stored context is unreadable: {exc}")
     if isinstance(exc, StorageError):

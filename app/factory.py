@@ -22,7 +22,8 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        gateway.worker.shutdown()
+        gateway.admission.shutdown()
+        gateway.loop.stop()
         if gateway.executor.write_back is not None:
             gateway.executor.write_back.shutdown()
         gateway.io_pool.shutdown(wait=False, cancel_futures=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.admission import Admission
 from app.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from app.metrics import Metrics
 from app.protocol import (
@@ -22,18 +23,20 @@ from app.protocol import (
     Usage,
 )
 from app.settings import Settings
-from app.worker import ModelWorker
 from codec import Level, level_by_name
 from codec.levels import default_level_table, load_level_table
 from engine import ModelRunner, load_model
 from engine.sampling import SamplingParams
 from scheduler.contexts import ContextStore
-from scheduler.executor import Finished, GenerationJob, PrefixReport, PromptDone, RequestExecutor, TokenEvent
+from scheduler.executor import RequestExecutor
+from scheduler.generation import Finished, GenerationJob, PrefixReport, PromptDone, TokenEvent
 from scheduler.geometry import KVGeometry
+from scheduler.kv_memory import KVMemory
 from scheduler.loader import KVRequest, PrefixLoader
 from scheduler.planner import TEXT
 from scheduler.prefix import make_fingerprint, weights_digest
 from scheduler.profile import load_or_measure, profile_key, profile_path
+from scheduler.step_loop import StepLoop
 from scheduler.write_back import WriteBack
 from storage import ObjectStore, open_store
 
@@ -88,7 +91,9 @@ class Gateway:
     store: ObjectStore
     contexts: ContextStore
     executor: RequestExecutor
-    worker: ModelWorker
+    admission: Admission
+    loop: StepLoop
+    memory: KVMemory
     metrics: Metrics
     table: LevelTable
     io_pool: ThreadPoolExecutor
@@ -205,7 +210,8 @@ class Gateway:
         )
 
     def events(self, job: GenerationJob) -> AsyncIterator[Any]:
-        return self.worker.stream(lambda emit, cancel: self.executor.run(job, emit, cancel))
+        self.executor.check(job)
+        return self.admission.stream(lambda emit, cancel: self.executor.run(job, emit, cancel))
 
     def observe(
         self, endpoint: str, started: float, prompt: PromptDone | None, finished: Finished | None
@@ -382,6 +388,15 @@ def build_gateway(settings: Settings) -> Gateway:
             _pick_levels(levels, settings.write_back_levels),
             on_done=lambda outcome: metrics.write_backs.labels(outcome).inc(),
         )
+    memory = KVMemory(settings.kv_memory_bytes)
+    admission = Admission(settings.max_queue, threads=max(2, min(8, settings.max_num_seqs)))
+
+    def on_step(running: int, waiting: int) -> None:
+        metrics.running.set(running)
+        metrics.waiting.set(max(0, admission.admitted - running))
+        metrics.kv_memory_used.set(memory.used)
+
+    loop = StepLoop(runner, settings.max_num_seqs, settings.max_batched_tokens, on_step)
     log.info(
         "serving %s on %s (%s), KV store %s, fingerprint %s",
         loaded.name,
@@ -395,8 +410,10 @@ def build_gateway(settings: Settings) -> Gateway:
         runner=runner,
         store=store,
         contexts=contexts,
-        executor=RequestExecutor(runner, contexts, loader, write_back),
-        worker=ModelWorker(settings.max_queue, metrics),
+        executor=RequestExecutor(runner, contexts, loader, loop, memory, write_back),
+        admission=admission,
+        loop=loop,
+        memory=memory,
         metrics=metrics,
         table=table,
         profile_file=profile_file,

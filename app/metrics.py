@@ -85,4 +85,7 @@ class Metrics:
         )
         self.contexts_encoded = Counter("cachegen:contexts_encoded", "Contexts pre-encoded.", registry=r)
         self.running = Gauge("cachegen:num_requests_running", "Requests on the model.", registry=r)
+        self.kv_memory_used = Gauge(
+            "cachegen:kv_memory_used_bytes", "KV memory reserved by requests in flight.", registry=r
+        )
         self.waiting = Gauge("cachegen:num_requests_waiting", "Requests queued for the model.", registry=r)

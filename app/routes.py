@@ -72,7 +72,7 @@ async def delete_context(context_id: str, gateway: GatewayDep) -> dict:
 
 @router.get("/health")
 async def health(gateway: GatewayDep) -> dict:
-    return {"status": "ok", "model": gateway.model_name, "in_flight": gateway.worker.admitted}
+    return {"status": "ok", "model": gateway.model_name, "in_flight": gateway.admission.admitted}
 
 
 @router.get("/metrics")

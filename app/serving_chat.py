@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from app.gateway import Gateway, collect, kv_cache_info, observed_events, usage
 from app.protocol import ChatCompletionRequest, new_id, now
 from app.sse import StreamFramer, stream_response
-from scheduler.executor import Finished, GenerationJob, PromptDone, TokenEvent
+from scheduler.generation import Finished, GenerationJob, PromptDone, TokenEvent
 
 
 async def chat_completion(

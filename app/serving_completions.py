@@ -12,7 +12,7 @@ from app.errors import InvalidRequest
 from app.gateway import Gateway, collect, kv_cache_info, observed_events, usage
 from app.protocol import CompletionRequest, new_id, now
 from app.sse import StreamFramer, stream_response
-from scheduler.executor import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
+from scheduler.generation import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
 
 
 def _prompt_ids(gateway: Gateway, request: CompletionRequest) -> list[int]:

@@ -39,10 +39,21 @@ def context_token_ids(gateway: Gateway, request: ContextRequest) -> list[int]:
 
 
 def encode_tokens(gateway: Gateway, token_ids: list[int], levels: list[Level]) -> Manifest:
-    """Prefill and store; runs on the model thread."""
+    """Prefill on the step loop, as background work in chunks, then encode and store here.
+
+    Runs on a prepare thread: the model thread only sees the prefill chunks, so
+    running streams keep their pace while a context is pre-encoded.
+    """
     started = time.perf_counter()
-    kv = gateway.runner.compute_kv(token_ids)
-    manifest = gateway.contexts.save(token_ids, kv, levels, compute_seconds=time.perf_counter() - started)
+    nbytes = len(token_ids) * gateway.runner.kv_bytes_per_token
+    gateway.memory.reserve(nbytes)
+    try:
+        kv = gateway.runner.new_kv(len(token_ids))
+        gateway.loop.prefill(kv, 0, token_ids, background=True)
+        compute_seconds = time.perf_counter() - started
+        manifest = gateway.contexts.save(token_ids, kv, levels, compute_seconds=compute_seconds)
+    finally:
+        gateway.memory.release(nbytes)
     gateway.metrics.contexts_encoded.inc()
     return manifest
 
@@ -54,7 +65,7 @@ async def create_context(gateway: Gateway, request: ContextRequest) -> dict[str,
     gateway.token_budget(len(token_ids), 0)
     # a store that cannot answer fails the request now, not after a long prefill
     await _io(gateway, gateway.contexts.exists, gateway.contexts.context_id(token_ids))
-    manifest = await gateway.worker.call(encode_tokens, gateway, token_ids, levels)
+    manifest = await gateway.admission.call(encode_tokens, gateway, token_ids, levels)
     return context_object(manifest)
 
 

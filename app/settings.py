@@ -57,7 +57,14 @@ class Settings(BaseSettings):
     )
 
     # serving
-    max_queue: int = Field(8, ge=1, description="requests running or waiting before 429")
+    max_queue: int = Field(64, ge=1, description="requests in flight (loading, waiting, running) before 429")
+    max_num_seqs: int = Field(16, ge=1, description="sequences batched into one step; 1 turns batching off")
+    max_batched_tokens: int = Field(
+        64, ge=1, description="tokens per step while streams decode (decodes first, then prefill chunks)"
+    )
+    kv_memory_bytes: int = Field(
+        2 * 2**30, ge=2**20, description="KV buffers of all requests in flight; admission waits beyond it"
+    )
     default_max_tokens: int = Field(512, ge=1, description="chat max_tokens when the client sets none")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -17,6 +17,7 @@ from transformers.cache_utils import DynamicLayer
 
 from engine.kv_buffer import BufferLayer
 from engine.loading import LoadedModel
+from engine.ragged import ATTENTION_NAME, Segment, active, check_supported
 from engine.sampling import SamplingParams, make_generator, sample_next
 
 
@@ -40,6 +41,12 @@ class ModelRunner:
         )
         self.max_context: int = int(getattr(config, "max_position_embeddings", 2048))
         self.eos_token_ids: frozenset[int] = _eos_ids(loaded)
+        check_supported(config)
+        self.model.set_attn_implementation(ATTENTION_NAME)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.loaded.dtype.itemsize
 
     @property
     def device(self) -> torch.device:
@@ -141,6 +148,51 @@ class ModelRunner:
             if not isinstance(layer, BufferLayer):  # a layer type that keeps its own storage
                 kv[index, 0, :, start:end] = layer.keys[0, :, start:end]
                 kv[index, 1, :, start:end] = layer.values[0, :, start:end]
+
+    @torch.inference_mode()
+    def forward_ragged(self, segments: list[Segment]) -> list[torch.Tensor | None]:
+        """One forward pass over every segment's tokens (see ``engine.ragged``).
+
+        Each segment's KV lands in its own buffer. Returns per segment the
+        float32 logits it asked for: (vocab,) for ``last``, (tokens, vocab) for
+        ``all``, None for ``none``.
+        """
+        ids: list[int] = []
+        positions: list[int] = []
+        keep: list[int] = []
+        for segment in segments:
+            if not segment.token_ids:
+                raise ValueError("a ragged segment needs at least one token")
+            at = len(ids)
+            ids.extend(segment.token_ids)
+            positions.extend(range(segment.start, segment.end))
+            if segment.logits == "all":
+                keep.extend(range(at, len(ids)))
+            elif segment.logits == "last":
+                keep.append(len(ids) - 1)
+        if not keep:
+            keep.append(len(ids) - 1)  # transformers computes at least one row
+        with active(segments):
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device),
+                position_ids=torch.tensor([positions], device=self.device),
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep, device=self.device),
+            )
+        logits = out.logits[0].float()
+        results: list[torch.Tensor | None] = []
+        row = 0
+        for segment in segments:
+            if segment.logits == "all":
+                n = len(segment.token_ids)
+                results.append(logits[row : row + n])
+                row += n
+            elif segment.logits == "last":
+                results.append(logits[row])
+                row += 1
+            else:
+                results.append(None)
+        return results
 
     def compute_kv(self, token_ids: list[int]) -> torch.Tensor:
         """Prefill a whole context from scratch and return its KV."""

@@ -1,90 +1,52 @@
-"""One generation request on the model thread: stored prefix, prefill, decode.
+"""A generation request up to the step loop: KV memory, the stored prefix, then the hand-off.
 
-Runs synchronously on the worker thread and reports through ``emit``:
-``PromptDone`` once the prompt is processed (the first token follows), then
-``TokenEvent`` per generated token, then ``Finished``. Events are engine-level
-objects; the HTTP layer turns them into protocol messages.
+``RequestExecutor.run`` runs on a prepare thread, never on the model thread:
+
+1. reserve the request's KV memory (``prompt + max_tokens`` tokens), waiting
+   while the budget is full;
+2. find what the store holds of the prompt and load it into the request's KV
+   buffer: fetches on the I/O pool, decoding here, and the adaptive plan's text
+   chunks as prefill on the step loop (``PrefixLoader``);
+3. hand a ``Generation`` to the step loop, which prefills the rest of the
+   prompt and generates. A request still loading holds no batch slot.
+
+The memory is released when the generation finishes, fails or is cancelled.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engine import ModelRunner
-from engine.detokenize import IncrementalText
-from engine.sampling import SamplingParams
 from scheduler.contexts import ContextStore
-from scheduler.loader import ChunkReport, KVRequest, PrefixLoad, PrefixLoader
+from scheduler.generation import Finished, Generation, GenerationJob, PrefixReport
+from scheduler.kv_memory import KVMemory
+from scheduler.loader import PrefixLoad, PrefixLoader
+from scheduler.step_loop import StepLoop
 from scheduler.stored import StoredPrefix, find_stored_prefix
 from scheduler.write_back import WriteBack
 
 
 @dataclass
-class GenerationJob:
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    stops: list[str]
-    kv: KVRequest | None  # None: do not use stored KV
-    prompt_logprobs: int | None = None  # echo: logprobs of the prompt tokens, with this many top entries
-    logprobs: int | None = None  # logprobs of generated tokens, with this many top entries
-    # when the request arrived (time.perf_counter): a kv_slo_ms budget counts from here, so
-    # tokenization and waiting for the model thread count against it
-    admitted: float = field(default_factory=time.perf_counter)
+class LoopTarget:
+    """What the prefix loader writes into: the request's buffer, with text chunks prefilled on the loop."""
 
+    kv: torch.Tensor
+    loop: StepLoop
+    cancel: threading.Event
 
-@dataclass
-class TokenLogprob:
-    token: str
-    logprob: float | None
-    top: dict[str, float] | None
+    def new_kv(self, tokens: int) -> torch.Tensor:
+        assert tokens <= self.kv.shape[3], "the request's buffer is sized for the whole request"
+        return self.kv
 
-
-@dataclass
-class PrefixReport:
-    """Where the prompt's KV came from, and what it cost."""
-
-    cached_tokens: int  # from the store
-    recomputed_tokens: int  # prefilled: text chunks and everything after the prefix
-    chunks: list[ChunkReport]
-    load_ms: float  # lookup, fetch, decode and text chunks
-    prefill_ms: float  # the prefill after the prefix
-    faults: list[str]
-    bandwidth_bps: float | None = None  # the link estimate, bytes per second
-    budget_ms: float | None = None
-    planned_ms: float | None = None  # what the first plan predicted for the prompt
-    prompt_ms: float = 0.0  # arrival to first-token logits: what the budget is held to
-
-    @property
-    def slo_met(self) -> bool | None:
-        return None if self.budget_ms is None else self.prompt_ms <= self.budget_ms
-
-
-@dataclass
-class PromptDone:
-    kv_info: PrefixReport
-    prompt_logprobs: list[TokenLogprob] | None
-
-
-@dataclass
-class TokenEvent:
-    text: str  # text released by this token (may be empty while held back)
-    token_id: int
-    logprob: TokenLogprob | None
-
-
-@dataclass
-class Finished:
-    reason: str  # "stop" or "length"
-    completion_tokens: int
-    text_tail: str = ""  # text held back until the end
+    def prefill_into(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> None:
+        self.loop.prefill(kv, start, token_ids, cancel=self.cancel)
 
 
 @dataclass
@@ -92,71 +54,61 @@ class RequestExecutor:
     runner: ModelRunner
     contexts: ContextStore
     loader: PrefixLoader
+    loop: StepLoop
+    memory: KVMemory
     write_back: WriteBack | None = None
 
+    def check(self, job: GenerationJob) -> None:
+        """Refuse at once a request that could never fit the KV memory budget."""
+        self.memory.check(self.kv_bytes(job))
+
+    def kv_bytes(self, job: GenerationJob) -> int:
+        return job.capacity * self.runner.kv_bytes_per_token
+
     def run(self, job: GenerationJob, emit: Callable[[Any], None], cancel: threading.Event) -> None:
-        tokenizer = self.runner.tokenizer
-        t0 = time.perf_counter()
-        # the last prompt token is always recomputed: its logits give the first output token
-        keys = self.contexts.keys(job.prompt_ids[:-1]) if job.kv is not None else []
-        load = self._load_prefix(job, keys, cancel)
-        t1 = time.perf_counter()
-        cached = load.tokens
-        kv = load.kv if load.kv is not None else self.runner.new_kv(len(job.prompt_ids) + job.max_tokens)
-        state = self.runner.prefill(
-            job.prompt_ids[cached:],
-            kv,
-            prefix_tokens=cached,
-            want_prompt_logits=job.prompt_logprobs is not None,
-        )
-        t2 = time.perf_counter()
-        load.kv = kv = None  # the cache holds the buffer now
-        self.loader.profile.observe_prefill(len(job.prompt_ids) - cached, cached, t2 - t1)
-        self.loader.observe_outcome(load.planned_s, t2 - job.admitted)
-        self._write_back(keys, load, state.cache)
-        prompt_lp = None
-        if job.prompt_logprobs is not None:
-            prompt_lp = self._prompt_logprobs(job, cached, state.prompt_logits)
-        budget = job.kv.budget_s if job.kv is not None else None
-        info = PrefixReport(
-            cached_tokens=load.stored_tokens,
-            recomputed_tokens=len(job.prompt_ids) - load.stored_tokens,
-            chunks=load.chunks,
-            load_ms=_ms(t1 - t0),
-            prefill_ms=_ms(t2 - t1),
-            faults=load.faults,
-            bandwidth_bps=load.bandwidth_bps,
-            budget_ms=None if budget is None else _ms(budget),
-            planned_ms=None if load.planned_s is None else _ms(load.planned_s),
-            prompt_ms=_ms(t2 - job.admitted),
-        )
-        emit(PromptDone(info, prompt_lp))
-
-        text = IncrementalText(tokenizer, job.stops)
-        produced = 0
-        reason = "length"
-        generator = self.runner.decode(state, job.sampling, job.max_tokens)
+        nbytes = self.kv_bytes(job)
+        if not self.memory.reserve(nbytes, cancel):
+            emit(Finished("abort", 0))
+            return
+        handed = False
         try:
-            for token, logits in generator:
-                produced += 1
-                delta = text.push(token)
-                lp = self._token_logprob(token, logits, job.logprobs) if job.logprobs is not None else None
-                emit(TokenEvent(delta, token, lp))
-                if text.stopped:
-                    reason = "stop"
-                    break
-                if cancel.is_set():
-                    reason = "abort"
-                    break
-            else:
-                if produced < job.max_tokens:
-                    reason = "stop"  # end of sequence
+            t0 = time.perf_counter()
+            kv = self.runner.new_kv(job.capacity)
+            # the last prompt token is always recomputed: its logits give the first output token
+            keys = self.contexts.keys(job.prompt_ids[:-1]) if job.kv is not None else []
+            load = self._load_prefix(job, keys, LoopTarget(kv, self.loop, cancel), cancel)
+            budget = job.kv.budget_s if job.kv is not None else None
+            report = PrefixReport(
+                cached_tokens=load.stored_tokens,
+                recomputed_tokens=len(job.prompt_ids) - load.stored_tokens,
+                chunks=load.chunks,
+                load_ms=_ms(time.perf_counter() - t0),
+                prefill_ms=0.0,
+                faults=load.faults,
+                bandwidth_bps=load.bandwidth_bps,
+                budget_ms=None if budget is None else _ms(budget),
+                planned_ms=None if load.planned_s is None else _ms(load.planned_s),
+            )
+            generation = Generation(
+                job,
+                self.runner,
+                kv,
+                load.tokens,
+                report,
+                emit,
+                cancel,
+                on_prefilled=lambda g: self._prefilled(g, keys, load),
+                on_finished=lambda g: self.memory.release(nbytes),
+            )
+            self.loop.submit(generation)
+            handed = True
         finally:
-            generator.close()
-        emit(Finished(reason, produced, text.finish()))
+            if not handed:
+                self.memory.release(nbytes)
 
-    def _load_prefix(self, job: GenerationJob, keys: list[str], cancel: threading.Event) -> PrefixLoad:
-        usable = job.prompt_ids[:-1]
+    def _load_prefix(
+        self, job: GenerationJob, keys: list[str], target: LoopTarget, cancel: threading.Event
+    ) -> PrefixLoad:
         if job.kv is None:
             return PrefixLoad(kv=None)
         stored = StoredPrefix()
@@ -166,62 +118,34 @@ class RequestExecutor:
                 self.contexts.fingerprint,
                 self.contexts.chunk_size,
                 keys,
-                usable,
+                job.prompt_ids[:-1],
                 job.kv.levels,
             )
         if not stored.chunks:
             return PrefixLoad(kv=None, faults=stored.faults)
-        capacity = len(job.prompt_ids) + job.max_tokens
         return self.loader.load(
-            self.runner, stored, usable, job.kv, len(job.prompt_ids), job.admitted, cancel, capacity
+            target,
+            stored,
+            job.prompt_ids[:-1],
+            job.kv,
+            len(job.prompt_ids),
+            job.admitted,
+            cancel,
+            job.capacity,
         )
 
-    def _write_back(self, keys: list[str], load: PrefixLoad, cache: Any) -> None:
-        """Store the full chunks after the loaded prefix (a miss), if write-back is on."""
+    def _prefilled(self, generation: Generation, keys: list[str], load: PrefixLoad) -> None:
+        """On the model thread, when the prompt is done: learn its costs, start write-back."""
+        job = generation.job
+        if generation.prefill_alone:  # a step shared with others says little about prefill speed
+            seconds = generation.report.prefill_ms / 1000
+            self.loader.profile.observe_prefill(len(job.prompt_ids) - load.tokens, load.tokens, seconds)
+        self.loader.observe_outcome(load.planned_s, time.perf_counter() - job.admitted)
         if self.write_back is None or not keys:
             return
         first = load.tokens // self.contexts.chunk_size
         if len(keys) > first:
-            self.write_back.submit(keys, cache, first=first, exact=load.exact)
-
-    def _token_logprob(self, token: int, logits: torch.Tensor, top: int) -> TokenLogprob:
-        logprobs = torch.log_softmax(logits, dim=-1)
-        return TokenLogprob(
-            token=self._piece(token),
-            logprob=float(logprobs[token]),
-            top=self._top(logprobs, top),
-        )
-
-    def _prompt_logprobs(
-        self, job: GenerationJob, cached: int, logits: torch.Tensor | None
-    ) -> list[TokenLogprob]:
-        """Logprobs of prompt tokens; None where no logits exist (the first token, cached tokens)."""
-        assert logits is not None and job.prompt_logprobs is not None
-        logprobs = torch.log_softmax(logits, dim=-1)
-        out = []
-        for pos, token in enumerate(job.prompt_ids):
-            row = pos - 1 - cached  # logits row that predicted this token
-            if row < 0:
-                out.append(TokenLogprob(self._piece(token), None, None))
-            else:
-                value = float(logprobs[row, token])
-                out.append(
-                    TokenLogprob(
-                        self._piece(token),
-                        value if math.isfinite(value) else -9999.0,
-                        self._top(logprobs[row], job.prompt_logprobs),
-                    )
-                )
-        return out
-
-    def _top(self, logprobs: torch.Tensor, k: int) -> dict[str, float] | None:
-        if k <= 0:
-            return None
-        values, ids = torch.topk(logprobs, k)
-        return {self._piece(int(i)): float(v) for v, i in zip(values, ids)}
-
-    def _piece(self, token: int) -> str:
-        return self.runner.tokenizer.decode([token])
+            self.write_back.submit(keys, generation.kv, first=first, exact=load.exact)
 
 
 def _ms(seconds: float) -> float:

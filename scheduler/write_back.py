@@ -1,9 +1,9 @@
 """Write-back on a miss: store the chunks a request had to prefill, in the background.
 
-The request hands over references to its cache's per-layer tensors right
-after prefill. Decoding never writes into those tensors (each step builds new
-ones), so the copy and the encoding happen on a background thread, off the
-request's path. At most ``max_pending`` jobs queue; more are dropped, since a
+The request hands over its KV buffer right after its prompt is prefilled.
+Decoding writes only after the prompt, never into the chunks stored here, so
+the copy and the encoding happen on a background thread, off the model
+thread and the request's path. At most ``max_pending`` jobs queue; more are dropped, since a
 write-back that falls behind is worth less than a prompt answer.
 """
 
@@ -39,8 +39,8 @@ class WriteBack:
         self._pending = 0
         self._lock = threading.Lock()
 
-    def submit(self, keys: Sequence[str], cache, first: int, exact: bool) -> None:
-        """Store chunks ``first..len(keys)`` of ``cache``. ``exact``: every token before them came
+    def submit(self, keys: Sequence[str], kv: torch.Tensor, first: int, exact: bool) -> None:
+        """Store chunks ``first..len(keys)`` of ``kv`` ((layers, 2, heads, tokens, head_dim)). ``exact``: every token before them came
         from exact KV; otherwise their KV carries the loss of a lossy prefix, and lossless levels,
         which readers serve as exact, are not written."""
         levels = self.levels if exact else [lv for lv in self.levels if not lv.lossless]
@@ -50,13 +50,11 @@ class WriteBack:
                 return
             self._pending += 1
         tokens = len(keys) * self.contexts.chunk_size
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
-        self._executor.submit(self._store, list(keys), layers, tokens, first, levels)
+        self._executor.submit(self._store, list(keys), kv[:, :, :, :tokens], first, levels)
 
-    def _store(self, keys: list[str], layers: list, tokens: int, first: int, levels: list[Level]) -> None:
+    def _store(self, keys: list[str], kv: torch.Tensor, first: int, levels: list[Level]) -> None:
         try:
-            kv = torch.stack([torch.stack((k[0, :, :tokens], v[0, :, :tokens])) for k, v in layers]).cpu()
-            self.contexts.save_chunks(keys, kv, levels, first=first)
+            self.contexts.save_chunks(keys, kv.to("cpu", copy=True), levels, first=first)
             self.on_done("stored")
         except StorageError as exc:
             log.warning("write-back of %d chunks failed: %s", len(keys) - first, exc)

@@ -195,11 +195,10 @@ def test_write_back_after_a_lossy_prefix_stores_no_lossless(parts):
     medium = MEDIUM
     tokens = list(range(32))
     kv = kv_for(32)
-    cache = _Cache(kv)
     write_back = WriteBack(contexts, [LOSSLESS, medium])
     keys = contexts.keys(tokens)
-    write_back.submit(keys, cache, first=2, exact=False)
-    write_back.submit(contexts.keys(tokens[:16]), cache, first=0, exact=True)
+    write_back.submit(keys, kv, first=2, exact=False)
+    write_back.submit(contexts.keys(tokens[:16]), kv, first=0, exact=True)
     write_back.drain()
     index = PrefixIndex.from_bytes(store.get(index_key(keys[0])))
     assert set(index.chunks[keys[0]].objects) == {"lossless", "medium"}  # exact: both
@@ -207,14 +206,6 @@ def test_write_back_after_a_lossy_prefix_stores_no_lossless(parts):
     assert set(index.chunks[keys[3]].objects) == {"medium"}
     write_back.shutdown()
 
-
-class _Cache:
-    """A cache's per-layer (1, heads, tokens, dim) tensors, as WriteBack reads them."""
-
-    def __init__(self, kv: torch.Tensor) -> None:
-        self.layers = [
-            _Layer(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0)) for layer in range(kv.shape[0])
-        ]
 
 
 class _Layer:

@@ -1,9 +1,12 @@
-"""The model's single worker thread, and admission control in front of it.
+"""Admission control, and the bridge from the scheduler's threads to the event loop.
 
-One request runs on the model at a time (a CPU gateway has no spare cores to
-batch on); the rest wait, up to ``max_queue`` in all, and the next one gets
-429. A streaming client that goes away sets the job's cancel flag, the job
-stops at its next token, and its slot frees.
+At most ``max_queue`` requests are in flight (loading, waiting, running or
+pre-encoding); the next one gets 429 with ``Retry-After`` before any response
+starts. Admitted work runs on a small pool of prepare threads, never on the
+event loop or the model thread: a generation's preparation (memory, store
+probe, prefix load) ends by handing it to the step loop, whose events then
+arrive here. A consumer that goes away (a client that disconnected) sets the
+request's cancel flag; the scheduler drops the request at its next step.
 """
 
 from __future__ import annotations
@@ -15,20 +18,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from app.errors import Overloaded
-from app.metrics import Metrics
+from scheduler.generation import Finished
 
 T = TypeVar("T")
 Emit = Callable[[Any], None]
 StreamJob = Callable[[Emit, threading.Event], None]
 
-_DONE = object()
 
-
-class ModelWorker:
-    def __init__(self, max_queue: int, metrics: Metrics) -> None:
+class Admission:
+    def __init__(self, max_queue: int, threads: int) -> None:
         self.max_queue = max_queue
-        self.metrics = metrics
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="prepare")
         self._lock = threading.Lock()
         self._admitted = 0
 
@@ -41,32 +41,25 @@ class ModelWorker:
             if self._admitted >= self.max_queue:
                 raise Overloaded(f"server is busy: {self._admitted} requests in flight, try again later")
             self._admitted += 1
-            self.metrics.waiting.inc()
 
     def _release(self) -> None:
         with self._lock:
             self._admitted -= 1
 
-    def _wrap(self, fn: Callable[..., T], *args: Any) -> Callable[[], T]:
-        def run() -> T:
-            self.metrics.waiting.dec()
-            self.metrics.running.inc()
-            try:
-                return fn(*args)
-            finally:
-                self.metrics.running.dec()
-                self._release()
-
-        return run
-
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the model thread and wait for its result."""
+        """Admit, run ``fn(*args)`` on a prepare thread, and wait for its result."""
         self._admit()
-        future = self._executor.submit(self._wrap(fn, *args))
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(self._pool.submit(fn, *args))
+        finally:
+            self._release()
 
     def stream(self, job: StreamJob) -> AsyncIterator[Any]:
-        """Admit now (so 429 comes before any response starts); iterate the job's events."""
+        """Admit now (so 429 comes before any response starts); iterate the job's events.
+
+        The job runs on a prepare thread with ``(emit, cancel)``; the events end
+        with a ``Finished`` or an exception, which is raised here.
+        """
         self._admit()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -80,24 +73,27 @@ class ModelWorker:
                 job(emit, cancel)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 emit(exc)
-            finally:
-                emit(_DONE)
 
-        self._executor.submit(self._wrap(run))
+        try:
+            self._pool.submit(run)
+        except RuntimeError:  # the pool is shut down
+            self._release()
+            raise
 
         async def events() -> AsyncIterator[Any]:
             try:
                 while True:
                     event = await queue.get()
-                    if event is _DONE:
-                        return
                     if isinstance(event, BaseException):
                         raise event
                     yield event
+                    if isinstance(event, Finished):
+                        return
             finally:
                 cancel.set()
+                self._release()
 
         return events()
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)

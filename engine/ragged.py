@@ -1,0 +1,142 @@
+"""Ragged batches: many sequences of different lengths in one forward pass, each with its own KV buffer.
+
+A step of the serving loop mixes decodes (one token each) with prefill chunks
+(many tokens each), every sequence at its own position. The tokens of all
+segments are laid end to end in one row, so the model's linear layers see one
+matrix of ``sum(tokens)`` rows: that is where batching pays on a CPU. Rotary
+embeddings follow each token's own position. Attention is the only part that
+cannot be shared: it runs per segment, against that sequence's buffer.
+
+transformers lets a model name its attention function; the runner registers
+``ragged_attention`` under ``ATTENTION_NAME`` and switches the model to it.
+While ``active(segments)`` is set on the calling thread, each layer's
+attention writes the segment's new keys and values straight into its buffer
+(``(layers, 2, kv_heads, capacity, head_dim)``, the layout shared with the
+codec) and attends to ``buffer[:start + tokens]``: there is no cache object
+and no copy. Outside ``active``, the function is plain causal attention over
+whatever cache the caller passed (offline tools, single-sequence passes), with
+the causal mask aligned to the end of the keys as transformers' own is.
+
+The attention function has no mask to follow, so models whose attention is
+more than causal softmax (sliding windows, logit soft-capping) are refused
+(``check_supported``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "cachegen_ragged"
+
+
+@dataclass
+class Segment:
+    """One sequence's tokens in a ragged step."""
+
+    kv: torch.Tensor  # (layers, 2, kv_heads, capacity, head_dim): the sequence's KV buffer
+    start: int  # tokens already in ``kv``; these go at ``start .. start + len(token_ids)``
+    token_ids: Sequence[int]
+    logits: str = "last"  # "last", "all" (every token's, for prompt logprobs) or "none"
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+_state = threading.local()
+
+
+@contextmanager
+def active(segments: Sequence[Segment]) -> Iterator[None]:
+    """Route this thread's attention calls to ``segments`` for the duration."""
+    offsets, at = [], 0
+    for segment in segments:
+        offsets.append(at)
+        at += len(segment.token_ids)
+    _state.batch = (segments, offsets)
+    try:
+        yield
+    finally:
+        _state.batch = None
+
+
+def ragged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: ``query`` (1, q_heads, tokens, dim), ``key``/``value``
+    (1, kv_heads, tokens, dim) after rotary; returns (1, tokens, q_heads, dim)."""
+    batch = getattr(_state, "batch", None)
+    if batch is None:
+        return _causal(query, key, value, scaling), None
+    segments, offsets = batch
+    layer = module.layer_idx
+    out = torch.empty_like(query)
+    for segment, q0 in zip(segments, offsets):
+        n = len(segment.token_ids)
+        q1 = q0 + n
+        buffer = segment.kv[layer]
+        buffer[0, :, segment.start : segment.end] = key[0, :, q0:q1]
+        buffer[1, :, segment.start : segment.end] = value[0, :, q0:q1]
+        keys = buffer[0, :, : segment.end]
+        values = buffer[1, :, : segment.end]
+        if n == 1:
+            out[0, :, q0] = _one_query(query[0, :, q0], keys, values, scaling)
+        else:
+            out[0, :, q0:q1] = _causal(query[:, :, q0:q1], keys[None], values[None], scaling)[0].transpose(
+                0, 1
+            )
+    return out.transpose(1, 2), None
+
+
+def _one_query(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None):
+    """One token's attention: ``query`` (q_heads, dim) against (kv_heads, tokens, dim).
+
+    The query heads that share a KV head are laid out as that head's rows, so
+    no key is repeated and no mask is needed.
+    """
+    kv_heads = keys.shape[0]
+    grouped = query.reshape(kv_heads, -1, query.shape[-1])
+    out = F.scaled_dot_product_attention(grouped, keys, values, scale=scale)
+    return out.reshape(query.shape)
+
+
+def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Causal attention with the queries aligned to the last keys; returns (batch, tokens, heads, dim)."""
+    q_len, k_len = query.shape[2], key.shape[2]
+    mask = None
+    if q_len > 1:
+        rows = torch.arange(q_len, device=query.device).unsqueeze(1) + (k_len - q_len)
+        mask = torch.arange(k_len, device=query.device).unsqueeze(0) <= rows
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
+
+
+def check_supported(config) -> None:
+    """Refuse models whose attention this function would compute wrongly."""
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise ValueError("models with sliding-window attention are not supported by the serving engine yet")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ValueError(
+            "models with attention logit soft-capping are not supported by the serving engine yet"
+        )
+
+
+AttentionInterface.register(ATTENTION_NAME, ragged_attention)

@@ -1,0 +1,249 @@
+"""One generation request on the step loop: its prompt's prefill in chunks, then a token per step.
+
+The step loop asks each ``Generation`` for its next segment (``segment``) and
+hands back the logits that segment produced (``advance``). Everything a
+request sees comes out of here through ``emit``, on the model thread:
+``PromptDone`` when the prompt is processed, ``TokenEvent`` per token,
+``Finished`` at the end. Sampling uses the request's own generator, so a seed
+gives the same tokens whatever else shares the step.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine import ModelRunner
+from engine.detokenize import IncrementalText
+from engine.ragged import Segment
+from engine.sampling import SamplingParams, make_generator, sample_next
+from scheduler.loader import ChunkReport, KVRequest
+
+
+@dataclass
+class GenerationJob:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: list[str]
+    kv: KVRequest | None  # None: do not use stored KV
+    prompt_logprobs: int | None = None  # echo: logprobs of the prompt tokens, with this many top entries
+    logprobs: int | None = None  # logprobs of generated tokens, with this many top entries
+    # when the request arrived (time.perf_counter): a kv_slo_ms budget counts from here, so
+    # tokenization and waiting for memory and the model count against it
+    admitted: float = field(default_factory=time.perf_counter)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens of KV the request can hold at most: prompt and every generated token."""
+        return len(self.prompt_ids) + self.max_tokens
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float | None
+    top: dict[str, float] | None
+
+
+@dataclass
+class PrefixReport:
+    """Where the prompt's KV came from, and what it cost."""
+
+    cached_tokens: int  # from the store
+    recomputed_tokens: int  # prefilled: text chunks and everything after the prefix
+    chunks: list[ChunkReport]
+    load_ms: float  # lookup, fetch, decode and text chunks
+    prefill_ms: float  # the prefill after the prefix, from its first step to its last
+    faults: list[str]
+    bandwidth_bps: float | None = None  # the link estimate, bytes per second
+    budget_ms: float | None = None
+    planned_ms: float | None = None  # what the first plan predicted for the prompt
+    prompt_ms: float = 0.0  # arrival to first-token logits: what the budget is held to
+
+    @property
+    def slo_met(self) -> bool | None:
+        return None if self.budget_ms is None else self.prompt_ms <= self.budget_ms
+
+
+@dataclass
+class PromptDone:
+    kv_info: PrefixReport
+    prompt_logprobs: list[TokenLogprob] | None
+
+
+@dataclass
+class TokenEvent:
+    text: str  # text released by this token (may be empty while held back)
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop", "length" or "abort"
+    completion_tokens: int
+    text_tail: str = ""  # text held back until the end
+
+
+class Generation:
+    """A request's state on the model thread. ``kv`` holds the first ``cached`` prompt tokens."""
+
+    def __init__(
+        self,
+        job: GenerationJob,
+        runner: ModelRunner,
+        kv: torch.Tensor,
+        cached: int,
+        report: PrefixReport,
+        emit: Callable[[Any], None],
+        cancel: threading.Event,
+        on_prefilled: Callable[[Generation], None] = lambda g: None,
+        on_finished: Callable[[Generation], None] = lambda g: None,
+    ) -> None:
+        self.job = job
+        self.runner = runner
+        self.kv = kv
+        self.cached = cached
+        self.position = cached  # tokens whose KV is in ``kv``
+        self.report = report
+        self.emit = emit
+        self.cancel = cancel
+        self.on_prefilled = on_prefilled
+        self.on_finished = on_finished
+        self.text = IncrementalText(runner.tokenizer, job.stops)
+        self.generator = make_generator(job.sampling.seed, runner.device)
+        self.prompt_lp: list[TokenLogprob] | None = [] if job.prompt_logprobs is not None else None
+        self.last_token: int | None = None  # sampled, its KV not yet computed
+        self.produced = 0
+        self.prefill_started: float | None = None
+        self.prefill_alone = True  # no other work shared its steps: its time is a clean measurement
+        self.done = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.position < len(self.job.prompt_ids)
+
+    def segment(self, budget: int) -> Segment | None:
+        """The next step's work: up to ``budget`` prompt tokens, or the last sampled token."""
+        prompt = self.job.prompt_ids
+        if not self.prefilling:
+            assert self.last_token is not None
+            return Segment(self.kv, self.position, [self.last_token])
+        if budget <= 0:
+            return None
+        end = min(len(prompt), self.position + budget)
+        logits = "all" if self.prompt_lp is not None else ("last" if end == len(prompt) else "none")
+        if self.prefill_started is None:
+            self.prefill_started = time.perf_counter()
+        return Segment(self.kv, self.position, prompt[self.position : end], logits)
+
+    def advance(self, segment: Segment, logits: torch.Tensor | None, alone: bool) -> None:
+        """Take a step's result; emits events, and finishes the request when it is over."""
+        was_prefilling = self.prefilling
+        self.position = segment.end
+        if not was_prefilling:
+            assert logits is not None
+            self._accept(logits)
+            return
+        self.prefill_alone = self.prefill_alone and alone
+        if self.prompt_lp is not None:
+            assert logits is not None
+            self._prompt_logprobs(segment, logits)
+            logits = logits[-1]
+        if self.prefilling:
+            return
+        assert logits is not None
+        self._prompt_done()
+        if self.job.max_tokens == 0:  # echo only
+            self.finish("length")
+        else:
+            self._accept(logits)
+
+    def finish(self, reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.emit(Finished(reason, self.produced, self.text.finish() if reason != "abort" else ""))
+        self.on_finished(self)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.emit(exc)
+        self.on_finished(self)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _prompt_done(self) -> None:
+        now = time.perf_counter()
+        self.report.prefill_ms = _ms(now - (self.prefill_started or now))
+        self.report.prompt_ms = _ms(now - self.job.admitted)
+        self.on_prefilled(self)
+        self.emit(PromptDone(self.report, self.prompt_lp))
+
+    def _accept(self, logits: torch.Tensor) -> None:
+        job = self.job
+        token = sample_next(logits, job.sampling, self.generator)
+        if token in self.runner.eos_token_ids and not job.sampling.ignore_eos:
+            self.finish("stop")
+            return
+        self.produced += 1
+        self.last_token = token
+        delta = self.text.push(token)
+        lp = self._token_logprob(token, logits, job.logprobs) if job.logprobs is not None else None
+        self.emit(TokenEvent(delta, token, lp))
+        if self.text.stopped:
+            self.finish("stop")
+        elif self.produced >= job.max_tokens:
+            self.finish("length")
+
+    def _token_logprob(self, token: int, logits: torch.Tensor, top: int) -> TokenLogprob:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        return TokenLogprob(
+            token=self._piece(token), logprob=float(logprobs[token]), top=self._top(logprobs, top)
+        )
+
+    def _prompt_logprobs(self, segment: Segment, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens up to this segment's end; None where no logits exist
+        (the first token, tokens whose KV came from the store)."""
+        assert self.prompt_lp is not None and self.job.prompt_logprobs is not None
+        prompt = self.job.prompt_ids
+        logprobs = torch.log_softmax(logits, dim=-1)
+        while len(self.prompt_lp) < segment.end:
+            pos = len(self.prompt_lp)
+            token = prompt[pos]
+            row = pos - 1 - segment.start  # the row of this segment's logits that predicted ``token``
+            if pos == 0 or pos <= self.cached or row < -1:
+                self.prompt_lp.append(TokenLogprob(self._piece(token), None, None))
+                continue
+            source = self._previous_row if row == -1 else logprobs[row]
+            value = float(source[token])
+            self.prompt_lp.append(
+                TokenLogprob(
+                    self._piece(token),
+                    value if math.isfinite(value) else -9999.0,
+                    self._top(source, self.job.prompt_logprobs),
+                )
+            )
+        self._previous_row = logprobs[-1]  # predicts the first token of the next segment
+
+    def _top(self, logprobs: torch.Tensor, k: int) -> dict[str, float] | None:
+        if k <= 0:
+            return None
+        values, ids = torch.topk(logprobs, k)
+        return {self._piece(int(i)): float(v) for v, i in zip(values, ids)}
+
+    def _piece(self, token: int) -> str:
+        return self.runner.tokenizer.decode([token])
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)

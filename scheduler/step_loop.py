@@ -1,0 +1,256 @@
+"""The model thread: a step loop that batches every running sequence into one forward pass per step.
+
+Each step runs one decode token for every running generation, and fills the
+rest of a token budget (``max_batched_tokens``) with prefill: prompt chunks of
+generations, text chunks of a loading prefix, and pre-encodes (in the manner
+of vLLM's chunked prefill). The budget bounds how long one step, and so one
+inter-token gap of every running stream, can take; a long prompt or a 4K
+pre-encode is spread over many steps instead of stalling them all.
+
+Prefill is served interactive first (generations' prompts and their prefix's
+text chunks, oldest first), then background work (pre-encodes). With nothing
+decoding, prefill may take up to ``IDLE_PREFILL_TOKENS`` per step: there is no
+stream to stall, and each step's fixed cost (a pass over the weights) is then
+spread over more tokens.
+
+Nothing but the model runs here. A generation arrives with its prefix already
+loaded (``submit``); at most ``max_num_seqs`` are running, the rest wait in
+arrival order, holding their KV memory but no batch slot. Cancellation is
+checked before every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine import ModelRunner
+from engine.ragged import Segment
+from scheduler.generation import Generation
+
+log = logging.getLogger(__name__)
+
+IDLE_PREFILL_TOKENS = 512
+MIN_PREFILL_TOKENS = 16  # prompts progress however many streams decode
+
+
+class LoopStopped(RuntimeError):
+    """The step loop shut down before the work was done."""
+
+
+@dataclass(eq=False)
+class PrefillTask:
+    """Prefill that is not a generation's prompt: KV only, no logits."""
+
+    kv: torch.Tensor
+    start: int
+    token_ids: list[int]
+    background: bool
+    cancel: threading.Event | None
+    arrived: float = field(default_factory=time.perf_counter)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    @property
+    def remaining(self) -> int:
+        return len(self.token_ids) - self.start_offset
+
+    start_offset: int = 0  # tokens of ``token_ids`` already prefilled
+
+    def segment(self, budget: int) -> Segment:
+        n = min(budget, self.remaining)
+        at = self.start + self.start_offset
+        return Segment(self.kv, at, self.token_ids[self.start_offset : self.start_offset + n], "none")
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    busy_s: float = 0.0
+
+
+class StepLoop:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        on_step: Callable[[int, int], None] = lambda running, waiting: None,
+    ) -> None:
+        self.runner = runner
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.on_step = on_step  # gauges: running and waiting generations
+        self.stats = StepStats()
+        self._cond = threading.Condition()
+        self._incoming: deque[Generation] = deque()  # submitted, not yet seen by the loop
+        self._waiting: deque[Generation] = deque()  # loaded, waiting for a batch slot
+        self._running: list[Generation] = []
+        self._tasks: list[PrefillTask] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="model", daemon=True)
+        self._thread.start()
+
+    # -- other threads ----------------------------------------------------------------------------
+
+    def submit(self, generation: Generation) -> None:
+        with self._cond:
+            if self._stopping:
+                raise LoopStopped("the server is shutting down")
+            self._incoming.append(generation)
+            self._cond.notify()
+
+    def prefill(
+        self,
+        kv: torch.Tensor,
+        start: int,
+        token_ids: list[int],
+        *,
+        background: bool = False,
+        cancel: threading.Event | None = None,
+    ) -> bool:
+        """Prefill ``token_ids`` into ``kv`` after its first ``start`` tokens; blocks until done.
+
+        Returns False when ``cancel`` stopped it first (``kv`` is then partly written).
+        """
+        if not token_ids:
+            return True
+        task = PrefillTask(kv, start, list(token_ids), background, cancel)
+        with self._cond:
+            if self._stopping:
+                raise LoopStopped("the server is shutting down")
+            self._tasks.append(task)
+            self._cond.notify()
+        task.done.wait()
+        if task.error is not None:
+            raise task.error
+        return task.remaining == 0
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    # -- the model thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._incoming or self._waiting or self._running or self._tasks):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                self._waiting.extend(self._incoming)
+                self._incoming.clear()
+                tasks = list(self._tasks)
+            self._drop_cancelled(tasks)
+            self._step(tasks)
+        self._abort_all()
+
+    def _drop_cancelled(self, tasks: list[PrefillTask]) -> None:
+        for gen in [g for g in (*self._waiting, *self._running) if g.cancel.is_set()]:
+            gen.finish("abort")
+        for task in tasks:
+            if task.cancel is not None and task.cancel.is_set():
+                self._end_task(task)
+        self._forget_done()
+
+    def _step(self, tasks: list[PrefillTask]) -> None:
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            self._running.append(self._waiting.popleft())
+        self.on_step(len(self._running), len(self._waiting))
+        work: list[tuple[Generation | PrefillTask, Segment]] = []
+        decoding = [g for g in self._running if not g.prefilling]
+        for gen in decoding:
+            work.append((gen, gen.segment(1)))
+        limit = self.max_batched_tokens if decoding else max(self.max_batched_tokens, IDLE_PREFILL_TOKENS)
+        budget = max(limit - len(decoding), MIN_PREFILL_TOKENS)
+        prefills: list[Generation | PrefillTask] = [g for g in self._running if g.prefilling]
+        prefills += sorted((t for t in tasks if not t.background and not t.done.is_set()), key=_arrival)
+        prefills += sorted((t for t in tasks if t.background and not t.done.is_set()), key=_arrival)
+        for owner in prefills:
+            if budget <= 0:
+                break
+            segment = owner.segment(budget)
+            if segment is None:
+                continue
+            budget -= len(segment.token_ids)
+            work.append((owner, segment))
+        if not work:
+            return
+        started = time.perf_counter()
+        try:
+            results = self.runner.forward_ragged([segment for _, segment in work])
+        except Exception as exc:  # every owner of the step hears of it
+            log.exception("a model step failed; failing its %d sequences", len(work))
+            for owner, _ in work:
+                self._fail(owner, exc)
+            self._forget_done()
+            return
+        self._account(work, len(decoding), time.perf_counter() - started)
+        alone = len(work) == 1
+        for (owner, segment), logits in zip(work, results):
+            if isinstance(owner, PrefillTask):
+                owner.start_offset += len(segment.token_ids)
+                if owner.remaining == 0:
+                    self._end_task(owner)
+                continue
+            try:
+                owner.advance(segment, logits, alone)
+            except Exception as exc:  # one request's bug must not stop the loop
+                log.exception("request failed after a model step")
+                owner.fail(exc)
+        self._forget_done()
+
+    def _account(self, work: list, decodes: int, seconds: float) -> None:
+        stats = self.stats
+        stats.steps += 1
+        stats.busy_s += seconds
+        stats.decode_tokens += decodes
+        stats.prefill_tokens += sum(len(segment.token_ids) for _, segment in work) - decodes
+
+    def _fail(self, owner: Generation | PrefillTask, exc: BaseException) -> None:
+        if isinstance(owner, PrefillTask):
+            owner.error = exc
+            self._end_task(owner)
+        else:
+            owner.fail(exc)
+
+    def _end_task(self, task: PrefillTask) -> None:
+        with self._cond:
+            if task in self._tasks:
+                self._tasks.remove(task)
+        task.done.set()
+
+    def _forget_done(self) -> None:
+        self._running = [g for g in self._running if not g.done]
+        self._waiting = deque(g for g in self._waiting if not g.done)
+
+    def _abort_all(self) -> None:
+        with self._cond:
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+            tasks, self._tasks = list(self._tasks), []
+        for gen in (*self._waiting, *self._running):
+            gen.fail(LoopStopped("the server is shutting down"))
+        for task in tasks:
+            task.error = LoopStopped("the server is shutting down")
+            task.done.set()
+        self._running, self._waiting = [], deque()
+
+
+def _arrival(task: PrefillTask) -> float:
+    return task.arrived
