@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import install_error_handlers
 from app.gateway import Gateway, build_gateway
+from app.metrics import Metrics
 from app.routes import router
 from app.settings import Settings
 from scheduler.profile import save as save_profile
@@ -35,11 +37,26 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     install_error_handlers(app)
     app.include_router(router)
 
-    @app.middleware("http")
-    async def count_errors(request: Request, call_next):  # type: ignore[no-untyped-def]
-        response: Response = await call_next(request)
-        if response.status_code >= 400:
-            gateway.metrics.http_errors.labels(str(response.status_code)).inc()
-        return response
-
+    app.add_middleware(ErrorCounter, metrics=gateway.metrics)
     return app
+
+
+class ErrorCounter:
+    """Counts responses by status >= 400. Plain ASGI: Starlette's ``BaseHTTPMiddleware`` would hide
+    a client's disconnect from the routes, and non-streaming requests are cancelled on it."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.metrics.http_errors.labels(str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,9 @@ from storage import ObjectStore, open_store
 log = logging.getLogger(__name__)
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
+Disconnected = Callable[[], Awaitable[bool]]
+DISCONNECT_POLL_S = 0.25
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away; nobody reads it
 
 
 @dataclass(frozen=True)
@@ -287,14 +292,17 @@ class Outcome:
         return "".join(t.text for t in self.tokens) + self.finished.text_tail
 
 
-async def observed_events(gateway: Gateway, endpoint: str, job: GenerationJob) -> AsyncIterator[Any]:
+async def observed_events(
+    gateway: Gateway, endpoint: str, job: GenerationJob, events: AsyncIterator[Any] | None = None
+) -> AsyncIterator[Any]:
     """The job's events, with the request's metrics (lookup, TTFT, totals) recorded on the way."""
     started = time.perf_counter()
     prompt: PromptDone | None = None
     finished: Finished | None = None
     first_token = True
+    events = events if events is not None else gateway.events(job)
     try:
-        async for event in gateway.events(job):
+        async for event in events:
             if isinstance(event, PromptDone):
                 prompt = event
                 gateway.record_lookup(len(job.prompt_ids), event.kv_info.cached_tokens, job.kv is not None)
@@ -308,20 +316,41 @@ async def observed_events(gateway: Gateway, endpoint: str, job: GenerationJob) -
         gateway.observe(endpoint, started, prompt, finished)
 
 
-async def collect(gateway: Gateway, endpoint: str, job: GenerationJob) -> Outcome:
-    """Run a job to the end (non-streaming requests)."""
-    prompt: PromptDone | None = None
-    tokens: list[TokenEvent] = []
-    finished: Finished | None = None
-    async for event in observed_events(gateway, endpoint, job):
-        if isinstance(event, PromptDone):
-            prompt = event
-        elif isinstance(event, TokenEvent):
-            tokens.append(event)
-        elif isinstance(event, Finished):
-            finished = event
-    assert prompt is not None and finished is not None
-    return Outcome(prompt, tokens, finished)
+async def collect(
+    gateway: Gateway, endpoint: str, job: GenerationJob, disconnected: Disconnected | None = None
+) -> Outcome | None:
+    """Run a job to the end (non-streaming requests).
+
+    ``disconnected`` is polled while it runs: a client that went away cancels
+    the job (its batch slot and KV memory free at the next step), and the
+    answer is None.
+    """
+
+    async def run(events: AsyncIterator[Any]) -> Outcome:
+        prompt: PromptDone | None = None
+        tokens: list[TokenEvent] = []
+        finished: Finished | None = None
+        async for event in observed_events(gateway, endpoint, job, events):
+            if isinstance(event, PromptDone):
+                prompt = event
+            elif isinstance(event, TokenEvent):
+                tokens.append(event)
+            elif isinstance(event, Finished):
+                finished = event
+        assert prompt is not None and finished is not None
+        return Outcome(prompt, tokens, finished)
+
+    events = gateway.events(job)  # admission and its errors (429, 400) happen here, before the task
+    task = asyncio.ensure_future(run(events))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if disconnected is not None and await disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
 
 
 def configure_threads(settings: Settings) -> None:
@@ -391,12 +420,10 @@ def build_gateway(settings: Settings) -> Gateway:
     memory = KVMemory(settings.kv_memory_bytes)
     admission = Admission(settings.max_queue, threads=max(2, min(8, settings.max_num_seqs)))
 
-    def on_step(running: int, waiting: int) -> None:
-        metrics.running.set(running)
-        metrics.waiting.set(max(0, admission.admitted - running))
-        metrics.kv_memory_used.set(memory.used)
-
-    loop = StepLoop(runner, settings.max_num_seqs, settings.max_batched_tokens, on_step)
+    loop = StepLoop(runner, settings.max_num_seqs, settings.max_batched_tokens)
+    metrics.running.set_function(lambda: loop.running)
+    metrics.waiting.set_function(lambda: max(0, admission.admitted - loop.running))
+    metrics.kv_memory_used.set_function(lambda: memory.used)
     log.info(
         "serving %s on %s (%s), KV store %s, fingerprint %s",
         loaded.name,

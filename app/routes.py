@@ -24,14 +24,16 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
-    body: ChatCompletionRequest, gateway: GatewayDep
-) -> JSONResponse | StreamingResponse:
-    return await serving_chat.chat_completion(gateway, body)
+    body: ChatCompletionRequest, gateway: GatewayDep, http: Request
+) -> JSONResponse | StreamingResponse | Response:
+    return await serving_chat.chat_completion(gateway, body, http.is_disconnected)
 
 
 @router.post("/v1/completions", response_model=None)
-async def completions(body: CompletionRequest, gateway: GatewayDep) -> JSONResponse | StreamingResponse:
-    return await serving_completions.completion(gateway, body)
+async def completions(
+    body: CompletionRequest, gateway: GatewayDep, http: Request
+) -> JSONResponse | StreamingResponse | Response:
+    return await serving_completions.completion(gateway, body, http.is_disconnected)
 
 
 @router.get("/v1/models")

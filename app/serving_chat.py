@@ -6,28 +6,32 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.gateway import Gateway, collect, kv_cache_info, observed_events, usage
+from app.gateway import CLIENT_CLOSED, Disconnected, Gateway, collect, kv_cache_info, observed_events, usage
 from app.protocol import ChatCompletionRequest, new_id, now
 from app.sse import StreamFramer, stream_response
 from scheduler.generation import Finished, GenerationJob, PromptDone, TokenEvent
 
 
 async def chat_completion(
-    gateway: Gateway, request: ChatCompletionRequest
-) -> JSONResponse | StreamingResponse:
+    gateway: Gateway, request: ChatCompletionRequest, disconnected: Disconnected | None = None
+) -> JSONResponse | StreamingResponse | Response:
     admitted = time.perf_counter()  # a kv_slo_ms budget counts tokenization too
     gateway.check_model(request.model)
     prompt_ids = gateway.chat_token_ids(request.messages, add_generation_prompt=True)
     job = gateway.job(request, prompt_ids, request.requested_max_tokens(), admitted=admitted)
     if request.stream:
-        chunks = _stream(gateway, job, request.include_usage)
+        # admitted here, so a 429 is the response's status, not an error inside a 200 stream
+        chunks = _stream(gateway, job, request.include_usage, gateway.events(job))
         return stream_response(
             chunks, on_error=lambda exc: gateway.metrics.http_errors.labels("stream").inc()
         )
 
-    out = await collect(gateway, "chat", job)
+    out = await collect(gateway, "chat", job, disconnected)
+    if out is None:
+        return Response(status_code=CLIENT_CLOSED)
     body = {
         "id": new_id("chatcmpl"),
         "object": "chat.completion",
@@ -49,14 +53,16 @@ async def chat_completion(
     return JSONResponse(body)
 
 
-async def _stream(gateway: Gateway, job: GenerationJob, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(
+    gateway: Gateway, job: GenerationJob, include_usage: bool, events: AsyncIterator[Any]
+) -> AsyncIterator[str]:
     framer = StreamFramer("chat.completion.chunk", "chatcmpl", gateway.model_name)
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
         return framer.choice({"delta": delta, "logprobs": None, "finish_reason": finish}, **extra)
 
     prompt: PromptDone | None = None
-    async for event in observed_events(gateway, "chat", job):
+    async for event in observed_events(gateway, "chat", job, events):
         if isinstance(event, PromptDone):
             prompt = event
             yield chunk({"role": "assistant", "content": ""}, kv_cache_info=kv_cache_info(event.kv_info))

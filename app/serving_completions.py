@@ -6,10 +6,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.errors import InvalidRequest
-from app.gateway import Gateway, collect, kv_cache_info, observed_events, usage
+from app.gateway import CLIENT_CLOSED, Disconnected, Gateway, collect, kv_cache_info, observed_events, usage
 from app.protocol import CompletionRequest, new_id, now
 from app.sse import StreamFramer, stream_response
 from scheduler.generation import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
@@ -52,7 +53,9 @@ def _prompt_text(gateway: Gateway, request: CompletionRequest, job: GenerationJo
     return gateway.runner.tokenizer.decode(job.prompt_ids)
 
 
-async def completion(gateway: Gateway, request: CompletionRequest) -> JSONResponse | StreamingResponse:
+async def completion(
+    gateway: Gateway, request: CompletionRequest, disconnected: Disconnected | None = None
+) -> JSONResponse | StreamingResponse | Response:
     admitted = time.perf_counter()  # a kv_slo_ms budget counts tokenization too
     gateway.check_model(request.model)
     job = gateway.job(
@@ -65,11 +68,14 @@ async def completion(gateway: Gateway, request: CompletionRequest) -> JSONRespon
     )
     if request.stream:
         return stream_response(
-            _stream(gateway, request, job, request.include_usage),
+            # admitted here, so a 429 is the response's status, not an error inside a 200 stream
+            _stream(gateway, request, job, request.include_usage, gateway.events(job)),
             on_error=lambda exc: gateway.metrics.http_errors.labels("stream").inc(),
         )
 
-    out = await collect(gateway, "completions", job)
+    out = await collect(gateway, "completions", job, disconnected)
+    if out is None:
+        return Response(status_code=CLIENT_CLOSED)
     text = out.text
     logprobs = None
     if request.logprobs is not None:
@@ -97,7 +103,11 @@ async def completion(gateway: Gateway, request: CompletionRequest) -> JSONRespon
 
 
 async def _stream(
-    gateway: Gateway, request: CompletionRequest, job: GenerationJob, include_usage: bool
+    gateway: Gateway,
+    request: CompletionRequest,
+    job: GenerationJob,
+    include_usage: bool,
+    events: AsyncIterator[Any],
 ) -> AsyncIterator[str]:
     framer = StreamFramer("text_completion", "cmpl", gateway.model_name)
 
@@ -106,7 +116,7 @@ async def _stream(
 
     prompt: PromptDone | None = None
     offset = 0
-    async for event in observed_events(gateway, "completions", job):
+    async for event in observed_events(gateway, "completions", job, events):
         if isinstance(event, PromptDone):
             prompt = event
             if request.echo:
