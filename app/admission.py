@@ -26,9 +26,11 @@ StreamJob = Callable[[Emit, threading.Event], None]
 
 
 class Admission:
-    def __init__(self, max_queue: int, threads: int) -> None:
+    def __init__(self, max_queue: int, threads: int, initializer: Callable[[], None] | None = None) -> None:
         self.max_queue = max_queue
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="prepare")
+        self._pool = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="prepare", initializer=initializer
+        )
         self._lock = threading.Lock()
         self._admitted = 0
 

@@ -45,5 +45,6 @@ def main(argv: list[str]) -> int:
             continue
         manifest = encode_tokens(gateway, ids, levels)
         tqdm.write(json.dumps({"file": str(path), **context_object(manifest)}))
+    gateway.loop.stop()
     gateway.io_pool.shutdown()
     return 1 if failed else 0

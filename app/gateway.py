@@ -25,6 +25,7 @@ from app.protocol import (
     Usage,
 )
 from app.settings import Settings
+from app.threads import configure_threads, numba_initializer, thread_budget
 from codec import Level, level_by_name
 from codec.levels import default_level_table, load_level_table
 from engine import ModelRunner, load_model
@@ -353,21 +354,6 @@ async def collect(
             return None
 
 
-def configure_threads(settings: Settings) -> None:
-    """Thread runtimes for torch and the codec's numba kernels; call before either runs.
-
-    numba's default OpenMP layer, once started in a process that also runs
-    torch, made every later torch forward pass 5-6x slower here (two OpenMP
-    runtimes spinning against each other); its own ``workqueue`` layer does not.
-    """
-    import numba
-    import torch
-
-    numba.config.THREADING_LAYER = "workqueue"
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
-
-
 def warm_up_codec(levels: tuple[Level, ...], geometry: KVGeometry) -> None:
     """Encode and decode a few tokens at every level, so numba's compile (or cache load)
     happens at start-up, not in the first request that needs it."""
@@ -381,7 +367,8 @@ def warm_up_codec(levels: tuple[Level, ...], geometry: KVGeometry) -> None:
 
 
 def build_gateway(settings: Settings) -> Gateway:
-    configure_threads(settings)
+    threads = thread_budget(settings.torch_threads, settings.numba_threads)
+    configure_threads(threads)
     loaded = load_model(
         settings.model,
         device=settings.device,
@@ -399,6 +386,7 @@ def build_gateway(settings: Settings) -> Gateway:
     )
     store = open_store(settings.store_url, cache_bytes=settings.store_cache_bytes)
     io_pool = ThreadPoolExecutor(max_workers=settings.store_threads, thread_name_prefix="kv-io")
+    codec_threads = numba_initializer(threads)
     contexts = ContextStore(store, fingerprint, loaded.name, settings.chunk_size, io_pool)
     geometry = KVGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim)
     metrics = Metrics()
@@ -416,21 +404,24 @@ def build_gateway(settings: Settings) -> Gateway:
             contexts,
             _pick_levels(levels, settings.write_back_levels),
             on_done=lambda outcome: metrics.write_backs.labels(outcome).inc(),
+            initializer=codec_threads,
         )
     memory = KVMemory(settings.kv_memory_bytes)
-    admission = Admission(settings.max_queue, threads=max(2, min(8, settings.max_num_seqs)))
+    admission = Admission(settings.max_queue, max(2, min(8, settings.max_num_seqs)), codec_threads)
 
-    loop = StepLoop(runner, settings.max_num_seqs, settings.max_batched_tokens)
+    loop = StepLoop(runner, settings.max_num_seqs, max_batched_tokens(settings, runner))
     metrics.running.set_function(lambda: loop.running)
     metrics.waiting.set_function(lambda: max(0, admission.admitted - loop.running))
     metrics.kv_memory_used.set_function(lambda: memory.used)
     log.info(
-        "serving %s on %s (%s), KV store %s, fingerprint %s",
+        "serving %s on %s (%s), KV store %s, fingerprint %s; threads: torch %d, codec %d",
         loaded.name,
         loaded.device,
         loaded.dtype,
         store,
         fingerprint.hex[:16],
+        threads.torch,
+        threads.numba,
     )
     return Gateway(
         settings=settings,
@@ -446,6 +437,15 @@ def build_gateway(settings: Settings) -> Gateway:
         profile_file=profile_file,
         io_pool=io_pool,
     )
+
+
+def max_batched_tokens(settings: Settings, runner: ModelRunner) -> int:
+    """The step's token budget. On 2 CPU cores each prefill token adds about 3 ms to a step that
+    decodes 4 streams in 66 ms: 32 keeps a stream's inter-token gap within about 2.5x while a
+    context is pre-encoded (``docs/serving.md``). A GPU step costs about the same up to thousands."""
+    if settings.max_batched_tokens is not None:
+        return settings.max_batched_tokens
+    return 2048 if runner.device.type == "cuda" else 32
 
 
 def _pick_levels(levels: tuple[Level, ...], names: list[str] | None) -> list[Level]:

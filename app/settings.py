@@ -31,7 +31,14 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
     cache_dir: Path = Field(default_factory=default_cache_dir, description="converted models live here")
     torch_threads: int | None = Field(
-        None, ge=1, description="intra-op threads; 1 is much faster when other processes share the cores"
+        None,
+        ge=1,
+        description="torch intra-op threads; default: the cores numba does not get (app/threads.py)",
+    )
+    numba_threads: int | None = Field(
+        None,
+        ge=1,
+        description="codec threads per decode or encode; default: a quarter of the cores, at least 1",
     )
 
     # KV store
@@ -59,8 +66,11 @@ class Settings(BaseSettings):
     # serving
     max_queue: int = Field(64, ge=1, description="requests in flight (loading, waiting, running) before 429")
     max_num_seqs: int = Field(16, ge=1, description="sequences batched into one step; 1 turns batching off")
-    max_batched_tokens: int = Field(
-        64, ge=1, description="tokens per step while streams decode (decodes first, then prefill chunks)"
+    max_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="tokens per step while streams decode (decodes first, then prefill chunks); "
+        "default: 32 on a CPU, 2048 on a GPU",
     )
     kv_memory_bytes: int = Field(
         2 * 2**30, ge=2**20, description="KV buffers of all requests in flight; admission waits beyond it"

@@ -111,12 +111,13 @@ def bench_ttft(url: str, tokenizer, sizes: list[int], repeats: int) -> list[dict
 
 
 def bench_overhead(url: str, requests: int) -> dict:
-    from app.gateway import configure_threads
     from app.settings import Settings
+    from app.threads import configure_threads, thread_budget
     from engine import ModelRunner, load_model
     from engine.sampling import SamplingParams
 
-    configure_threads(Settings())  # the same thread settings as the gateway process
+    settings = Settings()  # the same thread settings as the gateway process
+    configure_threads(thread_budget(settings.torch_threads, settings.numba_threads))
     runner = ModelRunner(load_model())
     messages = [{"role": "user", "content": "Hi!"}]
     prompt = runner.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

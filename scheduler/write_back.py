@@ -30,12 +30,15 @@ class WriteBack:
         levels: Sequence[Level],
         on_done: Callable[[str], None] = lambda outcome: None,
         max_pending: int = 2,
+        initializer: Callable[[], None] | None = None,
     ) -> None:
         self.contexts = contexts
         self.levels = list(levels)
         self.on_done = on_done  # "stored", "failed" or "dropped", for metrics
         self.max_pending = max_pending
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="write-back")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="write-back", initializer=initializer
+        )
         self._pending = 0
         self._lock = threading.Lock()
 

@@ -1,0 +1,71 @@
+"""The thread budget: torch's intra-op threads and numba's codec threads share the machine's cores.
+
+The step loop's forward passes run on torch's OpenMP threads; decoding a
+stored prefix (prepare threads), encoding a pre-encode or a write-back run on
+numba's. They run at the same time, so together they get no more threads than
+there are cores: an OpenMP team that loses one of its cores to another thread
+waits at every barrier. Measured on 2 cores (``benchmarks/thread_budget.py``):
+a batch-8 decode step took 81 ms with 2 torch threads and 94 ms with 1 on an
+idle machine, but 265 ms against 115 ms while a chunk decoded beside it, and
+250 ms against 142-177 ms with the cores shared with other processes (3.8 s
+against 0.23 s for both at once). So by default numba gets a quarter of the
+cores (at least one) and torch the rest (at least one): on 2 cores, one each.
+
+numba's thread count is per calling thread, so pools that run codec work set
+it in their initializer (``numba_initializer``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ThreadBudget:
+    torch: int
+    numba: int
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def thread_budget(
+    torch_threads: int | None, numba_threads: int | None, cores: int | None = None
+) -> ThreadBudget:
+    """Settings win; unset ones split ``cores`` (default: this process's) as described above."""
+    cores = cores or available_cores()
+    numba = numba_threads or max(1, cores // 4)
+    torch = torch_threads or max(1, cores - numba)
+    return ThreadBudget(torch=torch, numba=numba)
+
+
+def configure_threads(budget: ThreadBudget) -> None:
+    """Apply ``budget`` to this process (torch) and the calling thread (numba); call before either runs.
+
+    numba's default OpenMP layer, once started in a process that also runs
+    torch, made every later torch forward pass 5-6x slower here (two OpenMP
+    runtimes spinning against each other); its own ``workqueue`` layer does not.
+    """
+    import numba
+    import torch
+
+    numba.config.THREADING_LAYER = "workqueue"
+    torch.set_num_threads(budget.torch)
+    numba_initializer(budget)()
+
+
+def numba_initializer(budget: ThreadBudget) -> Callable[[], None]:
+    """For ``ThreadPoolExecutor(initializer=...)``: the pool's threads use the budget's numba threads."""
+
+    def init() -> None:
+        import numba
+
+        numba.set_num_threads(min(budget.numba, numba.config.NUMBA_NUM_THREADS))
+
+    return init

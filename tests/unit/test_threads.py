@@ -1,0 +1,20 @@
+"""The default thread budget never gives torch and numba more threads than cores (beyond one each)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.threads import thread_budget
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 4, 8, 16, 64])
+def test_defaults_split_the_cores(cores):
+    budget = thread_budget(None, None, cores)
+    assert budget.torch >= 1 and budget.numba >= 1
+    assert budget.torch + budget.numba <= max(cores, 2)
+
+
+def test_settings_win():
+    assert thread_budget(2, None, 2).torch == 2
+    assert thread_budget(None, 2, 16).numba == 2
+    assert thread_budget(None, 2, 16).torch == 14
