@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -387,7 +388,10 @@ def build_gateway(settings: Settings) -> Gateway:
     store = open_store(settings.store_url, cache_bytes=settings.store_cache_bytes)
     io_pool = ThreadPoolExecutor(max_workers=settings.store_threads, thread_name_prefix="kv-io")
     codec_threads = numba_initializer(threads)
-    contexts = ContextStore(store, fingerprint, loaded.name, settings.chunk_size, io_pool)
+    # one codec operation at a time, on the budget's numba threads: decodes of concurrent loads and
+    # encodes of pre-encodes and write-backs would otherwise oversubscribe the cores
+    codec_gate = threading.Semaphore(1)
+    contexts = ContextStore(store, fingerprint, loaded.name, settings.chunk_size, io_pool, codec_gate)
     geometry = KVGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim)
     metrics = Metrics()
     table = load_levels(settings)
@@ -397,7 +401,7 @@ def build_gateway(settings: Settings) -> Gateway:
         settings.cache_dir, profile_key(fingerprint.hex, runner, list(levels), settings.chunk_size)
     )
     profile = load_or_measure(profile_file, runner, list(levels), settings.chunk_size)
-    loader = PrefixLoader(store, geometry, io_pool, profile)
+    loader = PrefixLoader(store, geometry, io_pool, profile, codec_gate=codec_gate)
     write_back = None
     if settings.write_back:
         write_back = WriteBack(

@@ -12,7 +12,9 @@ import re
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,8 +53,11 @@ class ContextStore:
         model_name: str,
         chunk_size: int,
         pool: ThreadPoolExecutor,
+        codec_gate: AbstractContextManager[Any] | None = None,
     ) -> None:
         self.store = store
+        # held around each encode: the codec's CPU work of all requests shares the thread budget
+        self.codec_gate = codec_gate or nullcontext()
         self.fingerprint = fingerprint
         self.model_name = model_name
         self.chunk_size = chunk_size
@@ -90,7 +95,8 @@ class ContextStore:
         for key, start, tokens in pieces:
             chunk = kv[:, :, :, start : start + tokens]
             for level in levels:
-                data = encode_chunk(chunk, level)
+                with self.codec_gate:
+                    data = encode_chunk(chunk, level)
                 digest = level_digest(level)
                 level_bytes[level.name] += len(data)
                 written.setdefault(key, {})[level.name] = StoredObject(digest=digest, bytes=len(data))

@@ -20,12 +20,13 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from codec import CodecError, Level, decode_chunk, level_digest
-from engine import ModelRunner
 from scheduler.bandwidth import BandwidthEstimator
 from scheduler.geometry import KVGeometry
 from scheduler.layout import chunk_object_key
@@ -41,6 +42,15 @@ log = logging.getLogger(__name__)
 PRIOR_BYTES_PER_SECOND = 12.5e6
 _SLOWDOWN_EWMA = 0.3
 BUDGET_SHARE = 0.8
+
+
+class KVTarget(Protocol):
+    """Where a prefix is loaded: the request's KV buffer, and prefill for its text chunks
+    (``scheduler.executor.LoopTarget``: on the step loop)."""
+
+    def new_kv(self, tokens: int) -> torch.Tensor: ...
+
+    def prefill_into(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -97,8 +107,11 @@ class PrefixLoader:
         pool: ThreadPoolExecutor,
         profile: CostProfile,
         window: int = 2,
+        codec_gate: AbstractContextManager[Any] | None = None,
     ) -> None:
         self.store = store
+        # held around each decode: the codec's CPU work of all requests shares the thread budget
+        self.codec_gate = codec_gate or nullcontext()
         self.geometry = geometry
         self.pool = pool
         self.profile = profile
@@ -111,7 +124,7 @@ class PrefixLoader:
 
     def load(
         self,
-        runner: ModelRunner,
+        target: KVTarget,
         stored: StoredPrefix,
         token_ids: Sequence[int],
         request: KVRequest,
@@ -122,7 +135,7 @@ class PrefixLoader:
     ) -> PrefixLoad:
         """Load ``stored`` into a new KV buffer of ``capacity`` tokens (default: the prefix's):
         size it for the whole request, and the model's cache grows inside it."""
-        run = _LoadRun(self, runner, stored, token_ids, request, prompt_tokens, started)
+        run = _LoadRun(self, target, stored, token_ids, request, prompt_tokens, started)
         return run.execute(cancel or threading.Event(), capacity)
 
     def observe_outcome(self, planned_s: float | None, actual_s: float) -> None:
@@ -156,7 +169,7 @@ class _LoadRun:
     def __init__(
         self,
         loader: PrefixLoader,
-        runner: ModelRunner,
+        target: KVTarget,
         stored: StoredPrefix,
         token_ids: Sequence[int],
         request: KVRequest,
@@ -164,7 +177,7 @@ class _LoadRun:
         started: float,
     ) -> None:
         self.loader = loader
-        self.runner = runner
+        self.target = target
         self.chunks = stored.chunks
         self.token_ids = token_ids
         self.request = request
@@ -184,7 +197,7 @@ class _LoadRun:
 
     def execute(self, cancel: threading.Event, capacity: int | None) -> PrefixLoad:
         prefix = self.chunks[-1].end if self.chunks else 0
-        kv = self.runner.new_kv(max(prefix, capacity or 0)) if self.chunks else None
+        kv = self.target.new_kv(max(prefix, capacity or 0)) if self.chunks else None
         loaded = 0
         try:
             for i, chunk in enumerate(self.chunks):
@@ -316,7 +329,7 @@ class _LoadRun:
             # later chunks travel while this one is recomputed
             self._advance(i + 1, self.loader.profile.prefill_seconds(chunk.tokens, chunk.start))
             t = time.perf_counter()
-            self.runner.prefill_into(kv, chunk.start, list(self.token_ids[chunk.start : chunk.end]))
+            self.target.prefill_into(kv, chunk.start, list(self.token_ids[chunk.start : chunk.end]))
             seconds = time.perf_counter() - t
             self.loader.profile.observe_prefill(chunk.tokens, chunk.start, seconds)
             self.result.chunks.append(ChunkReport(i, chunk.tokens, "text", None, prefill_ms=_ms(seconds)))
@@ -336,7 +349,8 @@ class _LoadRun:
         self._advance(i + 1)  # the link is free for the next fetch while this chunk decodes
         t = time.perf_counter()
         try:
-            decoded = decode_chunk(fetched.data)
+            with self.loader.codec_gate:
+                decoded = decode_chunk(fetched.data)
         except CodecError as exc:
             log.warning("KV chunk %d rejected by the codec, recomputing from there: %s", i, exc)
             self.result.faults.append("corrupt_chunk")
