@@ -6,18 +6,41 @@ named by ``CACHEGEN_CONFIG_FILE``, then the defaults below.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
 
 from engine.loading import DEFAULT_MODEL, default_cache_dir
+
+
+def _name_list(value: Any) -> Any:
+    """A list of names from the environment: ``lossless,medium`` or the JSON ``["lossless","medium"]``;
+    empty means unset."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if not text:
+        return None
+    if text.startswith("["):
+        return json.loads(text)
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _lower(value: Any) -> Any:
+    return value.strip().lower() if isinstance(value, str) else value
+
+
+# NoDecode: the list is parsed here, not as JSON by pydantic-settings
+NameList = Annotated[list[str] | None, NoDecode, BeforeValidator(_name_list)]
 
 
 class Settings(BaseSettings):
@@ -51,9 +74,11 @@ class Settings(BaseSettings):
     store_threads: int = Field(8, ge=1, le=256, description="parallel chunk fetches and uploads")
     chunk_size: int = Field(256, ge=16, le=65536, description="tokens per stored KV chunk")
     levels_file: Path | None = Field(None, description="JSON level table (see `python -m app calibrate`)")
-    encode_levels: list[str] | None = Field(None, description="levels pre-encode writes; default: all")
+    encode_levels: NameList = Field(
+        None, description="levels pre-encode writes, e.g. 'lossless,medium'; default: all"
+    )
     write_back: bool = Field(False, description="store the KV of uncached prompt chunks after a request")
-    write_back_levels: list[str] | None = Field(None, description="levels write-back stores; default: all")
+    write_back_levels: NameList = Field(None, description="levels write-back stores; default: all")
 
     kv_slo_ms: float | None = Field(
         None, gt=0, description="default time-to-first-token budget for kv_quality 'auto' (unset: none)"
@@ -70,13 +95,16 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="tokens per step while streams decode (decodes first, then prefill chunks); "
-        "default: 32 on a CPU, 2048 on a GPU",
+        "default: 64 on a CPU, 2048 on a GPU",
     )
     kv_memory_bytes: int = Field(
         2 * 2**30, ge=2**20, description="KV buffers of all requests in flight; admission waits beyond it"
     )
     default_max_tokens: int = Field(512, ge=1, description="chat max_tokens when the client sets none")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(_lower)] = "info"
+    log_format: Annotated[Literal["text", "json"], BeforeValidator(_lower)] = Field(
+        "text", description="'json': one JSON object per line, with the request id of each request's lines"
+    )
 
     @classmethod
     def settings_customise_sources(
