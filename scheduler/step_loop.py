@@ -84,11 +84,14 @@ class StepLoop:
         max_num_seqs: int,
         max_batched_tokens: int,
         on_step: Callable[[int, int], None] = lambda running, waiting: None,
+        torch_threads: Callable[[], int] | None = None,
     ) -> None:
         self.runner = runner
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.on_step = on_step  # gauges: running and waiting generations
+        self.torch_threads = torch_threads  # asked before each step: torch threads to use for it
+        self._threads = 0
         self.stats = StepStats()
         self._cond = threading.Condition()
         self._incoming: deque[Generation] = deque()  # submitted, not yet seen by the loop
@@ -156,8 +159,12 @@ class StepLoop:
                 self._waiting.extend(self._incoming)
                 self._incoming.clear()
                 tasks = list(self._tasks)
-            self._drop_cancelled(tasks)
-            self._step(tasks)
+            try:
+                self._drop_cancelled(tasks)
+                self._step(tasks)
+            except Exception as exc:  # a bug here must fail the work in flight, not hang it
+                log.exception("the step loop failed; failing the requests in flight")
+                self._fail_all(exc)
         self._abort_all()
 
     def _drop_cancelled(self, tasks: list[PrefillTask]) -> None:
@@ -191,6 +198,7 @@ class StepLoop:
             work.append((owner, segment))
         if not work:
             return
+        self._set_threads()
         started = time.perf_counter()
         try:
             results = self.runner.forward_ragged([segment for _, segment in work])
@@ -214,6 +222,14 @@ class StepLoop:
                 log.exception("request failed after a model step")
                 owner.fail(exc)
         self._forget_done()
+
+    def _set_threads(self) -> None:
+        if self.torch_threads is None:
+            return
+        wanted = self.torch_threads()
+        if wanted != self._threads:
+            torch.set_num_threads(wanted)
+            self._threads = wanted
 
     def _account(self, work: list, decodes: int, seconds: float) -> None:
         stats = self.stats
@@ -240,14 +256,17 @@ class StepLoop:
         self._waiting = deque(g for g in self._waiting if not g.done)
 
     def _abort_all(self) -> None:
+        self._fail_all(LoopStopped("the server is shutting down"))
+
+    def _fail_all(self, exc: BaseException) -> None:
         with self._cond:
             self._waiting.extend(self._incoming)
             self._incoming.clear()
             tasks, self._tasks = list(self._tasks), []
         for gen in (*self._waiting, *self._running):
-            gen.fail(LoopStopped("the server is shutting down"))
+            gen.fail(exc)
         for task in tasks:
-            task.error = LoopStopped("the server is shutting down")
+            task.error = exc
             task.done.set()
         self._running, self._waiting = [], deque()
 

@@ -254,3 +254,23 @@ def test_prefill_work_is_cancelled_between_steps(runner):
     whole = runner.new_kv(len(ids))
     runner.forward_ragged([Segment(whole, 0, ids, "none")])
     assert torch.allclose(kv, whole, atol=1e-4)
+
+
+def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(runner):
+    loop = StepLoop(runner, max_num_seqs=4, max_batched_tokens=64)
+
+    def broken(segments):
+        raise RuntimeError("model step failed")
+
+    runner.forward_ragged = broken
+    try:
+        failed = start(loop, runner, chat_ids(runner, PROMPTS[0]), 4)
+        assert failed.done.wait(30)
+        assert isinstance(failed.events[-1], RuntimeError)
+        del runner.forward_ragged
+        ok = start(loop, runner, chat_ids(runner, PROMPTS[0]), 2)
+        wait_all([ok])
+        assert len(ok.tokens) == 2
+    finally:
+        vars(runner).pop("forward_ragged", None)
+        loop.stop()

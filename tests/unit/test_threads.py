@@ -18,3 +18,8 @@ def test_settings_win():
     assert thread_budget(2, None, 2).torch == 2
     assert thread_budget(None, 2, 16).numba == 2
     assert thread_budget(None, 2, 16).torch == 14
+    assert thread_budget(1, None, 16).torch_alone == 1  # a setting fixes torch's threads
+
+
+def test_torch_may_use_every_core_while_the_codec_is_idle():
+    assert thread_budget(None, None, 2).torch_alone == 2
