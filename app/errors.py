@@ -71,14 +71,18 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def _response(exc: APIError) -> JSONResponse:
+def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(
-        error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status, headers=exc.headers
+        error_body(err.message, err.type, err.param, err.code), status_code=err.status, headers=err.headers
     )
 
 
-def to_api_error(exc: Exception) -> APIError:
-    """Map an exception from any layer to the error clients see."""
+def error_label(err: APIError) -> str:
+    """The ``code`` label of ``cachegen:request_errors_total``: the error's code, else its type."""
+    return err.code or err.type
+
+
+def _map(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ContextNotFound):
@@ -91,35 +95,89 @@ def to_api_error(exc: Exception) -> APIError:
         return StoreFailed(f"stored context is unreadable: {exc}")
     if isinstance(exc, StorageError):
         return StoreFailed(f"KV store error: {exc}")
-    log.exception("unhandled error", exc_info=exc)
     err = APIError("internal error")
     err.status, err.type, err.code = 500, "server_error", None
     return err
 
 
+# what lower layers raise on purpose; anything else is a bug (500, logged with its traceback)
+_EXPECTED = (APIError, ContextNotFound, KVMemoryExceeded, LoopStopped, ManifestError, StorageError)
+
+
+def to_api_error(exc: Exception, request: Request | None = None) -> APIError:
+    """Map an exception from any layer to the error clients see, and log it once: one line
+    (warning for 4xx, error for 5xx), or the traceback of an unexpected exception."""
+    err = _map(exc)
+    where = f"{request.method} {request.url.path} " if request is not None else ""
+    fields = {"status": err.status, "code": error_label(err)}
+    if request is not None:
+        fields.update(method=request.method, path=request.url.path)
+    if not isinstance(exc, _EXPECTED):
+        log.error("%s%d unhandled error: %r", where, err.status, exc, exc_info=exc, extra=fields)
+    else:
+        level = logging.WARNING if err.status < 500 else logging.ERROR
+        log.log(level, "%s%d %s: %s", where, err.status, error_label(err), err.message, extra=fields)
+    return err
+
+
+def error_code(exc: Exception) -> str:
+    """The metrics label of an exception, without logging it (``to_api_error`` logs)."""
+    return error_label(_map(exc))
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """``("messages", 0, "content")`` -> ``messages[0].content``, as OpenAI names nested fields."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    kind = first.get("type")
+    loc = tuple(first.get("loc", ()))
+    if loc[:1] == ("body",):
+        loc = loc[1:]
+    if kind == "json_invalid":
         return "request body is not valid JSON", None
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid request")
+    if not loc and kind == "missing":
+        return "request body is empty; expected a JSON object", None
+    if not loc and kind in ("model_attributes_type", "dict_type"):
+        return "request body must be a JSON object", None
+    param = _param(loc)
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     return (f"{param}: {msg}" if param else msg), param
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Errors the app raises on purpose are answered by Starlette's ``ExceptionMiddleware``, one
+    handler per class. A handler for ``Exception`` would run in ``ServerErrorMiddleware``, which
+    re-raises after answering, and uvicorn prints the traceback of every 404 and 429."""
+
+    async def _expected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_api_error(exc, request))
+
+    for cls in _EXPECTED:
+        app.add_exception_handler(cls, _expected)
+
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return _response(InvalidRequest(message, param=param))
+        return error_response(to_api_error(InvalidRequest(message, param=param), request))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = APIError(str(exc.detail))
         err.status = exc.status_code
         err.code = "not_found" if exc.status_code == 404 else None
-        return _response(err)
+        return error_response(to_api_error(err, request))
 
     @app.exception_handler(Exception)
     async def _any(_: Request, exc: Exception) -> JSONResponse:
-        return _response(to_api_error(exc))
+        # reached only if an exception escapes ``ErrorCounter`` (app/factory.py)
+        return error_response(_map(exc))

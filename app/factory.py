@@ -1,28 +1,42 @@
-"""create_app: settings -> gateway -> FastAPI application."""
+"""create_app: settings -> gateway -> FastAPI application; the request id and error counting
+middlewares; the log format."""
 
 from __future__ import annotations
 
+import json
+import logging
+import re
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
+from datetime import UTC, datetime
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import install_error_handlers
+from app.errors import error_response, install_error_handlers, to_api_error
 from app.gateway import Gateway, build_gateway
 from app.metrics import Metrics
 from app.routes import router
 from app.settings import Settings
 from scheduler.profile import save as save_profile
 
+REQUEST_ID_HEADER = b"x-request-id"
+_SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# set for the task that serves one request; log records made in it carry the id
+request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
+
 
 def create_app(settings: Settings | None = None, gateway: Gateway | None = None) -> FastAPI:
     """Build the app; the model loads here, before the server accepts requests."""
     settings = settings or Settings()
+    configure_logging(settings.log_level, settings.log_format)
     gateway = gateway or build_gateway(settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        adopt_server_loggers()
         yield
         gateway.admission.shutdown()
         gateway.loop.stop()
@@ -38,12 +52,48 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     app.include_router(router)
 
     app.add_middleware(ErrorCounter, metrics=gateway.metrics)
+    app.add_middleware(RequestId)  # outermost: the error lines and the 500s below carry the id
     return app
 
 
+# Plain ASGI middlewares: Starlette's ``BaseHTTPMiddleware`` would hide a client's disconnect from
+# the routes, and non-streaming requests are cancelled on it.
+
+
+class RequestId:
+    """Gives each request an id (the client's ``x-request-id`` when it is sane, else a new one),
+    echoes it in the response's ``x-request-id`` header, and sets it for the request's log lines."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = dict(scope["headers"]).get(REQUEST_ID_HEADER, b"").decode("latin-1")
+        rid = sent if _SANE_REQUEST_ID.fullmatch(sent) else uuid.uuid4().hex
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, rid.encode())]}
+            await send(message)
+
+        token = request_id.set(rid)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            request_id.reset(token)
+
+
 class ErrorCounter:
-    """Counts responses by status >= 400. Plain ASGI: Starlette's ``BaseHTTPMiddleware`` would hide
-    a client's disconnect from the routes, and non-streaming requests are cancelled on it."""
+    """Counts error responses by status and by the error object's code (else its type), and answers
+    an exception that escaped every handler with a 500 error object: logged once, with its
+    traceback, and counted (``ServerErrorMiddleware`` would re-raise it to uvicorn, which prints
+    it again, outside the request)."""
+
+    MAX_ERROR_BODY = 65536
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -53,10 +103,98 @@ class ErrorCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        status = 0
+        body = b""
 
         async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                self.metrics.http_errors.labels(str(message["status"])).inc()
+            nonlocal status, body
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status >= 400:
+                body = (body + message.get("body", b""))[: self.MAX_ERROR_BODY]
+                if not message.get("more_body", False):
+                    self.metrics.http_errors.labels(str(status), _error_code(body)).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception as exc:  # noqa: BLE001 - the last place to answer it as an error object
+            err = to_api_error(exc, Request(scope))
+            if status == 0:  # nothing sent yet
+                await error_response(err)(scope, receive, counting_send)
+
+
+def _error_code(body: bytes) -> str:
+    try:
+        error = json.loads(body)["error"]
+        return str(error.get("code") or error.get("type") or "none")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "none"
+
+
+# -- logging ----------------------------------------------------------------------------------------
+
+
+class _RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get()
+        return True
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s%(request_tag)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        rid = getattr(record, "request_id", None)
+        record.request_tag = f" [{rid}]" if rid else ""
+        return super().format(record)
+
+
+# attributes every record has; whatever else a record carries came in ``extra`` and is logged too
+_RECORD_FIELDS = {*vars(logging.makeLogRecord({})), "message", "asctime", "request_tag", "color_message"}
+
+
+class JSONFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, request_id, the record's extras,
+    and the traceback (``exc_info``) when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        out.update({k: v for k, v in vars(record).items() if k not in _RECORD_FIELDS and v is not None})
+        if record.exc_info:
+            out["exc_info"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    """The root logger's one handler, in ``fmt`` ('text' or 'json'), with each record's request id."""
+    handler = logging.StreamHandler()
+    handler.addFilter(_RequestIdFilter())
+    handler.setFormatter(JSONFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in root.handlers[:]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    if fmt == "json":
+        # every line on stderr is then a record: warnings too, and no progress bars
+        logging.captureWarnings(True)
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+
+def adopt_server_loggers() -> None:
+    """uvicorn gives its loggers handlers of their own when it starts, after ``create_app``; at the
+    app's startup their records are sent to the root handler instead, in the configured format."""
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        for old in logger.handlers[:]:
+            logger.removeHandler(old)
+        logger.propagate = True

@@ -154,13 +154,16 @@ class Gateway:
             known = ", ".join(lv.name for lv in self.levels)
             raise InvalidRequest(f"unknown level in {names}; known: {known}", param="levels") from None
 
-    def token_budget(self, prompt_len: int, requested: int | None) -> int:
-        """max_tokens after the context-window checks."""
+    def token_budget(
+        self, prompt_len: int, requested: int | None, *, prompt_param: str, max_param: str = "max_tokens"
+    ) -> int:
+        """max_tokens after the context-window checks. ``prompt_param`` and ``max_param`` name the
+        request's fields (``messages`` or ``prompt``; ``max_tokens`` or ``max_completion_tokens``)."""
         if prompt_len >= self.max_context:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {self.max_context} tokens; "
                 f"the prompt has {prompt_len}",
-                param="messages",
+                param=prompt_param,
             )
         room = self.max_context - prompt_len
         if requested is None:
@@ -168,8 +171,8 @@ class Gateway:
         if requested > room:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {self.max_context} tokens; the prompt has "
-                f"{prompt_len} and max_tokens asks for {requested}",
-                param="max_tokens",
+                f"{prompt_len} and {max_param} asks for {requested}",
+                param=max_param,
             )
         return requested
 
@@ -202,9 +205,16 @@ class Gateway:
         self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None, **extra: Any
     ) -> GenerationJob:
         """A generation job after the checks every endpoint shares (kv_quality, window)."""
+        if isinstance(request, CompletionRequest):
+            prompt_param, max_param = "prompt", "max_tokens"
+        else:
+            prompt_param = "messages"
+            max_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
         return GenerationJob(
             prompt_ids=prompt_ids,
-            max_tokens=self.token_budget(len(prompt_ids), max_tokens),
+            max_tokens=self.token_budget(
+                len(prompt_ids), max_tokens, prompt_param=prompt_param, max_param=max_param
+            ),
             sampling=SamplingParams(
                 temperature=request.temperature,
                 top_p=request.top_p,

@@ -28,7 +28,11 @@ class Metrics:
             "cachegen:request_success", "Finished requests.", ["endpoint", "finished_reason"], registry=r
         )
         self.http_errors = Counter(
-            "cachegen:request_errors", "Requests answered with an error.", ["status"], registry=r
+            "cachegen:request_errors",
+            "Error responses by status and code (the error object's code, else its type); "
+            "status 'stream' for an error sent inside a streamed response.",
+            ["status", "code"],
+            registry=r,
         )
         self.prompt_tokens = Counter("cachegen:prompt_tokens", "Prefill tokens processed.", registry=r)
         self.generation_tokens = Counter("cachegen:generation_tokens", "Generated tokens.", registry=r)

@@ -7,13 +7,78 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
-Stop = str | Annotated[list[str], Field(max_length=4)] | None
+MAX_STOPS = 4
+
+# Fields that accept several shapes are normalized to one by a "before" validator that also
+# states the constraint: a pydantic union reports each member's failure ("stop.str: Input should
+# be a valid string" for a fifth stop string), which names neither the field nor the rule.
+
+
+def _stop_list(value: Any) -> Any:
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ValueError("must be a string or a list of strings")
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop sequences")
+    if any(s == "" for s in stops):
+        raise ValueError("stop strings must not be empty")
+    return stops
+
+
+def _token_ids(value: Any) -> Any:
+    if not isinstance(value, list):
+        raise ValueError("must be a list of token ids")  # noqa: TRY004 - pydantic reports ValueError only
+    if not value:
+        raise ValueError("must not be empty")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError("token ids must be integers")
+    if any(t < 0 for t in value):
+        raise ValueError("token ids must be >= 0")
+    return value
+
+
+def _prompt(value: Any) -> Any:
+    """A string, a list of token ids, or a list holding one string."""
+    if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+        if len(value) != 1:
+            raise ValueError("only one prompt per request is supported")
+        value = value[0]
+    if isinstance(value, str):
+        if value == "":
+            raise ValueError("prompt must not be empty")
+        return value
+    if isinstance(value, list):
+        return _token_ids(value)
+    raise ValueError("must be a string or a list of token ids")
+
+
+def _content_parts(value: Any) -> Any:
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if value is not None and not isinstance(value, list):
+        raise ValueError("must be a string or a list of content parts")
+    return value
+
+
+Stop = Annotated[list[str] | None, BeforeValidator(_stop_list)]
+TokenIds = Annotated[list[int], BeforeValidator(_token_ids)]
+Prompt = Annotated[str | list[int], BeforeValidator(_prompt)]
 
 
 class TextPart(BaseModel):
@@ -23,15 +88,22 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # a string arrives here as one text part; None only for an assistant message
+    content: Annotated[list[TextPart] | None, BeforeValidator(_content_parts)] = Field(
+        None, validate_default=True
+    )
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, value: list[TextPart] | None, info: ValidationInfo) -> list[TextPart] | None:
+        role = info.data.get("role")
+        if value is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content")
+        return value
+
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content or [])
 
 
 class StreamOptions(BaseModel):
@@ -59,22 +131,12 @@ class SamplingFields(BaseModel):
     user: str | None = None
     ignore_eos: bool = Field(False, description="extension (as in vLLM): generate max_tokens tokens")
 
-    @field_validator("stop")
-    @classmethod
-    def _no_empty_stop(cls, value: Stop) -> Stop:
-        stops = [value] if isinstance(value, str) else value or []
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty")
-        return value
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return list(self.stop or [])
 
 
 class ChatCompletionRequest(SamplingFields, KVExtension):
@@ -100,21 +162,10 @@ class CompletionRequest(SamplingFields, KVExtension):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | list[str]
+    prompt: Prompt
     max_tokens: Annotated[int, Field(ge=0)] = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _single_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and isinstance(value[0], str):
-            if len(value) != 1:
-                raise ValueError("only one prompt per request is supported")
-            return value[0]
-        if isinstance(value, str) and value == "":
-            raise ValueError("prompt must not be empty")
-        return value
 
     @model_validator(mode="after")
     def _zero_tokens_needs_echo(self) -> CompletionRequest:
@@ -127,19 +178,25 @@ class ContextRequest(BaseModel):
     """POST /contexts: exactly one of text, messages, prompt_token_ids."""
 
     model_config = ConfigDict(extra="forbid")
+    SOURCES: ClassVar[tuple[str, ...]] = ("text", "messages", "prompt_token_ids")
 
     model: str | None = None
     text: Annotated[str, Field(min_length=1)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    prompt_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    prompt_token_ids: TokenIds | None = None
     levels: Annotated[list[str], Field(min_length=1)] | None = None
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ContextRequest:
-        given = [f for f in ("text", "messages", "prompt_token_ids") if getattr(self, f) is not None]
+        given = [f for f in self.SOURCES if getattr(self, f) is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of text, messages, prompt_token_ids")
         return self
+
+    @property
+    def source(self) -> str:
+        """The field the context's tokens come from."""
+        return next(f for f in self.SOURCES if getattr(self, f) is not None)
 
 
 # -- responses ------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from app.errors import error_code
 from app.gateway import CLIENT_CLOSED, Disconnected, Gateway, collect, kv_cache_info, observed_events, usage
 from app.protocol import ChatCompletionRequest, new_id, now
 from app.sse import StreamFramer, stream_response
@@ -26,7 +27,7 @@ async def chat_completion(
         # admitted here, so a 429 is the response's status, not an error inside a 200 stream
         chunks = _stream(gateway, job, request.include_usage, gateway.events(job))
         return stream_response(
-            chunks, on_error=lambda exc: gateway.metrics.http_errors.labels("stream").inc()
+            chunks, on_error=lambda exc: gateway.metrics.http_errors.labels("stream", error_code(exc)).inc()
         )
 
     out = await collect(gateway, "chat", job, disconnected)

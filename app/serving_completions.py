@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.errors import InvalidRequest
+from app.errors import InvalidRequest, error_code
 from app.gateway import CLIENT_CLOSED, Disconnected, Gateway, collect, kv_cache_info, observed_events, usage
 from app.protocol import CompletionRequest, new_id, now
 from app.sse import StreamFramer, stream_response
@@ -70,7 +70,7 @@ async def completion(
         return stream_response(
             # admitted here, so a 429 is the response's status, not an error inside a 200 stream
             _stream(gateway, request, job, request.include_usage, gateway.events(job)),
-            on_error=lambda exc: gateway.metrics.http_errors.labels("stream").inc(),
+            on_error=lambda exc: gateway.metrics.http_errors.labels("stream", error_code(exc)).inc(),
         )
 
     out = await collect(gateway, "completions", job, disconnected)

@@ -62,7 +62,7 @@ async def create_context(gateway: Gateway, request: ContextRequest) -> dict[str,
     gateway.check_model(request.model)
     levels = gateway.encode_levels(request.levels)
     token_ids = context_token_ids(gateway, request)
-    gateway.token_budget(len(token_ids), 0)
+    gateway.token_budget(len(token_ids), 0, prompt_param=request.source)
     # a store that cannot answer fails the request now, not after a long prefill
     await _io(gateway, gateway.contexts.exists, gateway.contexts.context_id(token_ids))
     manifest = await gateway.admission.call(encode_tokens, gateway, token_ids, levels)

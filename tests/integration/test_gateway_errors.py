@@ -46,7 +46,7 @@ def test_malformed_json(gateway):
     [
         (chat(messages=[]), "messages"),
         (chat(messages="hello"), "messages"),
-        (chat(messages=[{"role": "wizard", "content": "x"}]), "messages.0.role"),
+        (chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
         (chat(max_tokens=0), "max_tokens"),
         (chat(max_tokens=-5), "max_tokens"),
         (chat(max_tokens="ten"), "max_tokens"),
