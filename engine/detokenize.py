@@ -78,11 +78,11 @@ class IncrementalText:
 
     def _release(self, new: str, final: bool) -> str:
         text = self._held + new
-        found = [at for at in (text.find(stop) for stop in self.stops) if at != -1]
-        if found:
+        at = first_stop(text, self.stops)
+        if at is not None:
             self.stopped = True
             self._held = ""
-            return text[: min(found)]
+            return text[:at]
         keep = 0 if final else self._stop_prefix_len(text)
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep]
@@ -96,3 +96,10 @@ class IncrementalText:
                     longest = n
                     break
         return longest
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where ``text`` is cut: at the stop string that is complete first (the earliest end; of two
+    ending together, the earlier start). A stream stops there, however its tokens split the text."""
+    found = [(at + len(stop), at) for stop in stops if (at := text.find(stop)) != -1]
+    return min(found)[1] if found else None

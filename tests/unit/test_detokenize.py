@@ -45,10 +45,10 @@ def with_special_tokens(tokenizer, ids: list[int], seed: int) -> list[int]:
 
 
 def expected(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, bool]:
-    """The whole output decoded at once, cut before the first stop string."""
+    """The whole output decoded at once, cut before the stop string that is complete first."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    found = [at for at in (text.find(stop) for stop in stops) if at != -1]
-    return (text[: min(found)], True) if found else (text, False)
+    found = [(at + len(stop), at) for stop in stops if (at := text.find(stop)) != -1]
+    return (text[: min(found)[1]], True) if found else (text, False)
 
 
 def stream_ids(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, bool]:
@@ -134,6 +134,7 @@ def test_partial_stop_is_released_at_the_end(tokenizer):
 @pytest.mark.parametrize(
     ("text", "stops", "want"),
     [
+        ("baa", ["a", "baa"], "b"),  # "a" is complete before "baa" is, so a stream stops there
         ("STOP right at the start", ["STOP"], ""),
         (" leading space stop", [" lead"], ""),
         ("one two three four five", ["five", "two"], "one "),  # the first in the text wins, not in the list
