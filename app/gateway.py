@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from codec import Level, level_by_name
 from codec.levels import default_level_table, load_level_table
 from engine import ModelRunner, load_model
 from engine.sampling import SamplingParams
+from scheduler.codec_gate import CodecGate
 from scheduler.contexts import ContextStore
 from scheduler.executor import RequestExecutor
 from scheduler.generation import Finished, GenerationJob, PrefixReport, PromptDone, TokenEvent
@@ -400,7 +400,7 @@ def build_gateway(settings: Settings) -> Gateway:
     codec_threads = numba_initializer(threads)
     # one codec operation at a time, on the budget's numba threads: decodes of concurrent loads and
     # encodes of pre-encodes and write-backs would otherwise oversubscribe the cores
-    codec_gate = threading.Semaphore(1)
+    codec_gate = CodecGate()
     contexts = ContextStore(store, fingerprint, loaded.name, settings.chunk_size, io_pool, codec_gate)
     geometry = KVGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim)
     metrics = Metrics()
@@ -423,7 +423,12 @@ def build_gateway(settings: Settings) -> Gateway:
     memory = KVMemory(settings.kv_memory_bytes)
     admission = Admission(settings.max_queue, max(2, min(8, settings.max_num_seqs)), codec_threads)
 
-    loop = StepLoop(runner, settings.max_num_seqs, max_batched_tokens(settings, runner))
+    loop = StepLoop(
+        runner,
+        settings.max_num_seqs,
+        max_batched_tokens(settings, runner),
+        torch_threads=lambda: threads.torch if codec_gate.active else threads.torch_alone,
+    )
     metrics.running.set_function(lambda: loop.running)
     metrics.waiting.set_function(lambda: max(0, admission.admitted - loop.running))
     metrics.kv_memory_used.set_function(lambda: memory.used)
@@ -454,12 +459,12 @@ def build_gateway(settings: Settings) -> Gateway:
 
 
 def max_batched_tokens(settings: Settings, runner: ModelRunner) -> int:
-    """The step's token budget. On 2 CPU cores each prefill token adds about 3 ms to a step that
-    decodes 4 streams in 66 ms: 32 keeps a stream's inter-token gap within about 2.5x while a
+    """The step's token budget. On 2 CPU cores each prefill token adds about 1.6 ms to a step that
+    decodes 4 streams in about 55 ms: 64 keeps a stream's inter-token gap within about 3x while a
     context is pre-encoded (``docs/serving.md``). A GPU step costs about the same up to thousands."""
     if settings.max_batched_tokens is not None:
         return settings.max_batched_tokens
-    return 2048 if runner.device.type == "cuda" else 32
+    return 2048 if runner.device.type == "cuda" else 64
 
 
 def _pick_levels(levels: tuple[Level, ...], names: list[str] | None) -> list[Level]:
