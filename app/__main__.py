@@ -1,52 +1,86 @@
-"""``python -m app [--host H --port P]`` serves; ``python -m app encode FILE...`` pre-encodes;
-``python -m app calibrate ...`` measures a model's level table."""
+"""``python -m app`` (or ``cachegen-gateway``): ``serve`` (the default), ``encode``, ``calibrate``.
+
+``python -m app --host H --port P`` serves, as ``python -m app serve ...`` does;
+``--help`` lists the subcommands, ``serve --help`` the server's flags.
+"""
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 import sys
 
+from app.cli import (
+    COMMANDS,
+    build_settings,
+    check_device,
+    check_model,
+    check_port,
+    command_parser,
+    failure_line,
+    print_failure,
+    program_name,
+    serve_parser,
+)
 
-def serve(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app", description="CacheGen OpenAI-compatible gateway")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--config", help="TOML settings file (same keys as the CACHEGEN_* variables)")
-    args = parser.parse_args(argv)
-    if args.config:
-        os.environ["CACHEGEN_CONFIG_FILE"] = args.config
+
+def serve(argv: list[str], prog: str) -> int:
+    args = serve_parser(prog).parse_args(argv)
+    try:
+        settings = build_settings(args)
+        check_device(settings.device)
+        check_model(settings.model)
+        check_port(args.host, args.port)
+        logging.basicConfig(
+            level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        from app.factory import create_app
+
+        app = create_app(settings)
+    except Exception as exc:  # known kinds become one line; anything else is a bug
+        line = failure_line(exc)
+        if line is None:
+            raise
+        return print_failure(prog, line)
 
     import uvicorn
 
-    from app.factory import create_app
-    from app.settings import Settings
-
-    settings = Settings()
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    app = create_app(settings)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=settings.log_level, timeout_graceful_shutdown=5
     )
     return 0
 
 
+def calibrate(argv: list[str], prog: str) -> int:
+    from app.calibrate import main as calibrate_main
+
+    try:
+        return calibrate_main(argv)
+    except Exception as exc:  # as in serve
+        line = failure_line(exc)
+        if line is None:
+            raise
+        return print_failure(f"{prog} calibrate", line)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "encode":
-        from app.cli_encode import main as encode_main
+    prog = program_name()
+    if argv and argv[0] in ("-h", "--help"):
+        command_parser(prog).print_help()
+        return 0
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        command_parser(prog).error(f"unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})")
+    command, rest = (argv[0], argv[1:]) if argv and argv[0] in COMMANDS else ("serve", argv)
+    try:
+        if command == "encode":
+            from app.cli_encode import main as encode_main
 
-        return encode_main(argv[1:])
-    if argv and argv[0] == "calibrate":
-        from app.calibrate import main as calibrate_main
-
-        return calibrate_main(argv[1:])
-    if argv and argv[0] == "serve":
-        argv = argv[1:]
-    return serve(argv)
+            return encode_main(rest, prog=f"{prog} encode")
+        if command == "calibrate":
+            return calibrate(rest, prog)
+        return serve(rest, prog)
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
