@@ -1,4 +1,4 @@
-"""create_app: settings -> gateway -> FastAPI application; the request id and error counting
+"""create_app: settings -> gateway -> FastAPI application; the request id, CORS and error counting
 middlewares; the log format."""
 
 from __future__ import annotations
@@ -8,17 +8,20 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime
 
 from fastapi import FastAPI, Request
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import error_response, install_error_handlers, to_api_error
 from app.gateway import Gateway, build_gateway
 from app.metrics import Metrics
-from app.routes import router
+from app.readiness import Readiness
+from app.routes import package_version, router
 from app.settings import Settings
 from scheduler.profile import save as save_profile
 
@@ -33,6 +36,9 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     settings = settings or Settings()
     configure_logging(settings.log_level, settings.log_format)
     gateway = gateway or build_gateway(settings)
+    # its own thread: a probe queued behind a burst of chunk fetches on the I/O pool would time out
+    # and take a busy gateway out of its load balancer
+    probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="readiness")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -43,15 +49,34 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
         if gateway.executor.write_back is not None:
             gateway.executor.write_back.shutdown()
         gateway.io_pool.shutdown(wait=False, cancel_futures=True)
+        probe_pool.shutdown(wait=False, cancel_futures=True)
         gateway.store.close()
         save_profile(gateway.executor.loader.profile, gateway.profile_file)
 
-    app = FastAPI(title="CacheGen gateway", version="0.1.0", lifespan=lifespan)
+    docs = not settings.disable_docs
+    app = FastAPI(
+        title="CacheGen gateway",
+        version=package_version(),
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.gateway = gateway
+    app.state.readiness = Readiness(gateway.store, probe_pool)
     install_error_handlers(app)
     app.include_router(router)
 
     app.add_middleware(ErrorCounter, metrics=gateway.metrics)
+    if settings.cors_origins:
+        # outside ErrorCounter, so its 500s carry the CORS headers too and a browser can read them
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id", "retry-after"],
+        )
     app.add_middleware(RequestId)  # outermost: the error lines and the 500s below carry the id
     return app
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from app.errors import InvalidRequest
 from app.gateway import Gateway
 from app.protocol import ContextRequest
 from codec import Level
@@ -12,7 +13,7 @@ from scheduler.manifest import Manifest
 
 
 def context_object(manifest: Manifest) -> dict[str, Any]:
-    return {
+    obj: dict[str, Any] = {
         "id": manifest.id,
         "object": "context",
         "model": manifest.model,
@@ -24,6 +25,30 @@ def context_object(manifest: Manifest) -> dict[str, Any]:
         "bytes": dict(manifest.level_bytes),
         "encode_seconds": manifest.encode_seconds,
     }
+    warning = unstored_warning(manifest.tokens, manifest.cached_tokens, manifest.chunk_size)
+    if warning is not None:
+        obj["warning"] = warning
+    return obj
+
+
+def unstored_warning(tokens: int, stored: int, chunk_size: int) -> str | None:
+    """What a client should know when some of a context's tokens have no stored KV."""
+    if stored >= tokens:
+        return None
+    if stored == 0:
+        return f"nothing is stored: the context's {tokens} tokens fill no chunk of {chunk_size}"
+    return (
+        f"only the first {stored} of {tokens} tokens are stored; requests that start with this "
+        f"context recompute the last {tokens - stored}"
+    )
+
+
+def stored_tokens(gateway: Gateway, token_ids: list[int]) -> int:
+    """How many of ``token_ids`` a save stores: its full chunks, and the tail after them (none
+    without a full chunk to hang it on); as ``ContextStore.save`` decides."""
+    keys = gateway.contexts.keys(token_ids)
+    tail = gateway.contexts.tail(token_ids, keys)
+    return len(keys) * gateway.contexts.chunk_size + (0 if tail is None else tail.tokens)
 
 
 def context_token_ids(gateway: Gateway, request: ContextRequest) -> list[int]:
@@ -63,6 +88,14 @@ async def create_context(gateway: Gateway, request: ContextRequest) -> dict[str,
     levels = gateway.encode_levels(request.levels)
     token_ids = context_token_ids(gateway, request)
     gateway.token_budget(len(token_ids), 0, prompt_param=request.source)
+    if stored_tokens(gateway, token_ids) == 0:
+        chunk_size = gateway.contexts.chunk_size
+        raise InvalidRequest(
+            f"this context has {len(token_ids)} tokens and would store nothing: KV is stored in chunks "
+            f"of {chunk_size} tokens (CACHEGEN_CHUNK_SIZE), and a context needs at least one full chunk",
+            param=request.source,
+            code="context_too_short",
+        )
     # a store that cannot answer fails the request now, not after a long prefill
     await _io(gateway, gateway.contexts.exists, gateway.contexts.context_id(token_ids))
     manifest = await gateway.admission.call(encode_tokens, gateway, token_ids, levels)

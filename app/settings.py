@@ -106,6 +106,14 @@ class Settings(BaseSettings):
         "text", description="'json': one JSON object per line, with the request id of each request's lines"
     )
 
+    # HTTP
+    cors_origins: NameList = Field(
+        None,
+        description="origins browsers may call from, e.g. 'https://app.example,https://b.example', "
+        "or '*'; default: none (no CORS headers)",
+    )
+    disable_docs: bool = Field(False, description="turn off /docs, /redoc and /openapi.json (production)")
+
     @classmethod
     def settings_customise_sources(
         cls,
