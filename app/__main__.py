@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
 from app.cli import (
@@ -30,12 +29,9 @@ def serve(argv: list[str], prog: str) -> int:
         check_device(settings.device)
         check_model(settings.model)
         check_port(args.host, args.port)
-        logging.basicConfig(
-            level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
         from app.factory import create_app
 
-        app = create_app(settings)
+        app = create_app(settings)  # configures logging, then loads the model
     except Exception as exc:  # known kinds become one line; anything else is a bug
         line = failure_line(exc)
         if line is None:
