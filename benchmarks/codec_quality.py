@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import sys
+import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -95,12 +96,12 @@ def level_method(level: Level) -> Callable[[torch.Tensor], tuple[torch.Tensor, f
 # -- texts -----------------------------------------------------------------------------------------------
 
 
-def benchmark_texts() -> dict[str, str]:
-    """Real prose shipped with the interpreter (PSF licence) plus the project's seed texts."""
+def benchmark_texts(extra_dir: Path | None = None) -> dict[str, str]:
+    """Real prose shipped with the interpreter (PSF licence), plus ``extra_dir``'s ``*.txt`` files."""
     from pydoc_data import topics
 
     texts = {
-        "python-license": (Path(sys.base_prefix) / "lib" / "python3.11" / "LICENSE.txt"),
+        "python-license": Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt",
         "pyref-specialnames": topics.topics["specialnames"],
         "pyref-types": topics.topics["types"],
         "pyref-debugger": topics.topics["debugger"],
@@ -112,10 +113,8 @@ def benchmark_texts() -> dict[str, str]:
                 continue
             text = text.read_text(encoding="utf-8")
         out[name] = text
-    for seed in (
-        sorted(Path("/work/shared/seeds").glob("*.txt")) if Path("/work/shared/seeds").is_dir() else []
-    ):
-        out[f"seed-{seed.stem[:12]}"] = seed.read_text(encoding="utf-8")
+    for extra in sorted(extra_dir.glob("*.txt")) if extra_dir is not None else []:
+        out[f"extra-{extra.stem[:12]}"] = extra.read_text(encoding="utf-8")
     return out
 
 
@@ -137,7 +136,7 @@ def run(args: argparse.Namespace) -> dict:
     need = args.prefix_tokens + args.continuation_tokens
 
     per_text: dict[str, dict] = {}
-    for name, text in list(benchmark_texts().items()):
+    for name, text in list(benchmark_texts(args.extra_texts).items()):
         ids = runner.tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) < need:
             log.info("skipping %s: %d tokens < %d", name, len(ids), need)
@@ -216,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--levels-file", help="level table JSON to measure instead of the default")
     parser.add_argument("--texts", type=int, default=4)
+    parser.add_argument("--extra-texts", type=Path, help="a directory of *.txt files to measure as well")
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--continuation-tokens", type=int, default=256)
     parser.add_argument("--passkey-trials", type=int, default=12)

@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def real_kv(tokens: int) -> torch.Tensor:
     from engine import ModelRunner, load_model
 
     runner = ModelRunner(load_model())
-    text = (Path(sys.base_prefix) / "lib" / "python3.11" / "LICENSE.txt").read_text()
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
     ids = runner.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
     return runner.compute_kv(ids)
 

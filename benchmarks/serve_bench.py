@@ -48,7 +48,8 @@ def bench_lookup(server: SeaweedServer, bucket: str, rounds: int) -> dict:
     levels = list(codec.DEFAULT_LEVELS)
     miss_tokens = [secrets.randbelow(49152) for _ in range(32 * 256)]
     hit_tokens = [secrets.randbelow(49152) for _ in range(32 * 256)]
-    # a stored 32-chunk prefix: the index lists every chunk at every level (objects are not read)
+    # a hit: chunk 0 stored at one level, so the index lists one chunk; either way the lookup is
+    # one GET of the prefix index (no chunk object is read)
     contexts.save_chunks(contexts.keys(hit_tokens)[:1], _tiny_kv(), levels[:1])
     hit_keys = contexts.keys(hit_tokens)
     result = {}
