@@ -199,7 +199,10 @@ def check_port(host: str, port: int) -> None:
 
 
 def failure_line(exc: BaseException) -> str | None:
-    """The one line for a failure of a known kind (bad settings, model, store, files); None for a bug."""
+    """The one line for a failure of a known kind (bad settings, model, store, files); None for a bug,
+    and for everything with ``CACHEGEN_LOG_LEVEL=debug`` (then the traceback is shown)."""
+    if os.environ.get("CACHEGEN_LOG_LEVEL", "").lower() == "debug":
+        return None
     from pydantic import ValidationError
 
     from engine.loading import ModelLoadError
