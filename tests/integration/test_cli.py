@@ -23,7 +23,7 @@ def run_app(
         [sys.executable, "-m", "app", *args],
         check=False,
         cwd=REPO,
-        env={**os.environ, "CACHEGEN_STORE": "memory://", **(env or {})},
+        env={**os.environ, "CACHEGEN_STORE": "memory://", "CACHEGEN_LOG_LEVEL": "info", **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
