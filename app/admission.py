@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -56,7 +56,7 @@ class Admission:
         finally:
             self._release()
 
-    def stream(self, job: StreamJob) -> AsyncIterator[Any]:
+    def stream(self, job: StreamJob) -> EventStream:
         """Admit now (so 429 comes before any response starts); iterate the job's events.
 
         The job runs on a prepare thread with ``(emit, cancel)``; the events end
@@ -82,20 +82,47 @@ class Admission:
             self._release()
             raise
 
-        async def events() -> AsyncIterator[Any]:
-            try:
-                while True:
-                    event = await queue.get()
-                    if isinstance(event, BaseException):
-                        raise event
-                    yield event
-                    if isinstance(event, Finished):
-                        return
-            finally:
-                cancel.set()
-                self._release()
-
-        return events()
+        return EventStream(queue, cancel, self._release)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class EventStream:
+    """One admitted job's events. Closing it (at the end, on an error, by ``aclose``, or when it
+    is dropped unread) cancels the job and gives its admission back, exactly once."""
+
+    def __init__(self, queue: asyncio.Queue[Any], cancel: threading.Event, release: Callable[[], None]) -> None:
+        self._queue = queue
+        self._cancel = cancel
+        self._release: Callable[[], None] | None = release
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._release is None:
+            raise StopAsyncIteration
+        try:
+            event = await self._queue.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            self.close()
+            raise
+        if isinstance(event, BaseException):
+            self.close()
+            raise event
+        if isinstance(event, Finished):
+            self.close()
+        return event
+
+    def close(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            self._cancel.set()
+            release()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()

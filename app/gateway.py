@@ -8,11 +8,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from app.admission import Admission
+from app.admission import Admission, EventStream
 from app.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from app.metrics import Metrics
 from app.protocol import (
@@ -201,10 +201,24 @@ class Gateway:
 
     # -- running jobs -----------------------------------------------------------------------------
 
-    def job(
+    def jobs(
+        self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None, **extra: Any
+    ) -> list[GenerationJob]:
+        """A request's jobs, one per choice (``n``), after the checks every endpoint shares
+        (kv_quality, window, biases). With a seed, choice ``i`` samples with ``seed + i``."""
+        job = self._job(request, prompt_ids, max_tokens, **extra)
+        if request.n == 1:
+            return [job]
+        seeds = [None if request.seed is None else request.seed + i for i in range(request.n)]
+        return [replace(job, sampling=replace(job.sampling, seed=seed)) for seed in seeds]
+
+    def _job(
         self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None, **extra: Any
     ) -> GenerationJob:
-        """A generation job after the checks every endpoint shares (kv_quality, window)."""
+        if request.ignored_fields():
+            log.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields()))
+        bias = request.logit_bias or {}
+        self.check_token_ids(list(bias), "logit_bias")
         if isinstance(request, CompletionRequest):
             prompt_param, max_param = "prompt", "max_tokens"
         else:
@@ -220,15 +234,31 @@ class Gateway:
                 top_p=request.top_p,
                 seed=request.seed,
                 ignore_eos=request.ignore_eos,
+                presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
+                repetition_penalty=request.repetition_penalty,
+                logit_bias=tuple(sorted(bias.items())),
             ),
             stops=request.stop_list(),
             kv=self.kv_request(request.kv_quality, request.kv_cache, request.kv_slo_ms),
             **extra,
         )
 
-    def events(self, job: GenerationJob) -> AsyncIterator[Any]:
+    def events(self, job: GenerationJob) -> EventStream:
         self.executor.check(job)
         return self.admission.stream(lambda emit, cancel: self.executor.run(job, emit, cancel))
+
+    def admit_all(self, jobs: list[GenerationJob]) -> list[EventStream]:
+        """Admit every job, or none: a job that is refused closes the ones admitted before it."""
+        streams: list[EventStream] = []
+        try:
+            for job in jobs:
+                streams.append(self.events(job))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
 
     def observe(
         self, endpoint: str, started: float, prompt: PromptDone | None, finished: Finished | None
@@ -325,20 +355,21 @@ async def observed_events(
                 finished = event
             yield event
     finally:
+        await events.aclose()
         gateway.observe(endpoint, started, prompt, finished)
 
 
 async def collect(
-    gateway: Gateway, endpoint: str, job: GenerationJob, disconnected: Disconnected | None = None
-) -> Outcome | None:
-    """Run a job to the end (non-streaming requests).
+    gateway: Gateway, endpoint: str, jobs: list[GenerationJob], disconnected: Disconnected | None = None
+) -> list[Outcome] | None:
+    """Run jobs (a request's ``n`` choices) to the end, for non-streaming requests.
 
-    ``disconnected`` is polled while it runs: a client that went away cancels
-    the job (its batch slot and KV memory free at the next step), and the
-    answer is None.
+    Every job is admitted before any runs (a 429 admits none). ``disconnected``
+    is polled while they run: a client that went away cancels them (their batch
+    slots and KV memory free at the next step), and the answer is None.
     """
 
-    async def run(events: AsyncIterator[Any]) -> Outcome:
+    async def run(job: GenerationJob, events: AsyncIterator[Any]) -> Outcome:
         prompt: PromptDone | None = None
         tokens: list[TokenEvent] = []
         finished: Finished | None = None
@@ -352,12 +383,12 @@ async def collect(
         assert prompt is not None and finished is not None
         return Outcome(prompt, tokens, finished)
 
-    events = gateway.events(job)  # admission and its errors (429, 400) happen here, before the task
-    task = asyncio.ensure_future(run(events))
+    streams = gateway.admit_all(jobs)  # admission and its errors (429, 400) happen here
+    task = asyncio.ensure_future(asyncio.gather(*(run(job, events) for job, events in zip(jobs, streams))))
     while True:
         done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if done:
-            return task.result()
+            return list(task.result())
         if disconnected is not None and await disconnected():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

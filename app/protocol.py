@@ -21,7 +21,10 @@ from pydantic import (
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 MAX_STOPS = 4
+MAX_N = 8
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 # Fields that accept several shapes are normalized to one by a "before" validator that also
 # states the constraint: a pydantic union reports each member's failure ("stop.str: Input should
@@ -68,6 +71,28 @@ def _prompt(value: Any) -> Any:
     raise ValueError("must be a string or a list of token ids")
 
 
+def _logit_bias(value: Any) -> Any:
+    """OpenAI's shape: token ids (as strings, JSON keys) to a bias in [-100, 100]."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("must be an object mapping token ids to biases")  # noqa: TRY004 - pydantic reports ValueError only
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"keys must be token ids; got {key!r}") from None
+        if token < 0:
+            raise ValueError("token ids must be >= 0")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise ValueError(f"the bias of token {token} must be a number in [-100, 100]")
+        out[token] = float(bias)
+    return out
+
+
 def _content_parts(value: Any) -> Any:
     if isinstance(value, str):
         return [{"type": "text", "text": value}]
@@ -77,6 +102,7 @@ def _content_parts(value: Any) -> Any:
 
 
 Stop = Annotated[list[str] | None, BeforeValidator(_stop_list)]
+LogitBias = Annotated[dict[int, float] | None, BeforeValidator(_logit_bias)]
 TokenIds = Annotated[list[int], BeforeValidator(_token_ids)]
 Prompt = Annotated[str | list[int], BeforeValidator(_prompt)]
 
@@ -125,7 +151,13 @@ class SamplingFields(BaseModel):
     top_p: TopP = 1.0
     seed: int | None = None
     stop: Stop = None
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = Field(
+        1.0, description="extension (as in vLLM): > 1 discourages tokens of the prompt and the output"
+    )
+    logit_bias: LogitBias = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -138,28 +170,50 @@ class SamplingFields(BaseModel):
     def stop_list(self) -> list[str]:
         return list(self.stop or [])
 
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
 
 class ChatCompletionRequest(SamplingFields, KVExtension):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, and named in the log
 
     model: str
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # accepted so that they can be refused by name (``unsupported``), never silently ignored
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_max(self) -> ChatCompletionRequest:
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise ValueError("set max_tokens or max_completion_tokens, not both")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """A parameter this gateway cannot honour, and why; None when there is none."""
+        if self.tools:
+            return "tools", "tool calling is not supported by this gateway"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", "tool calling is not supported by this gateway"
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            return "response_format", f"response_format {kind!r} is not supported; only 'text'"
+        return None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class CompletionRequest(SamplingFields, KVExtension):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, and named in the log
 
     model: str
     prompt: Prompt

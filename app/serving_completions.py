@@ -10,9 +10,18 @@ from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.errors import InvalidRequest, error_code
-from app.gateway import CLIENT_CLOSED, Disconnected, Gateway, collect, kv_cache_info, observed_events, usage
+from app.gateway import (
+    CLIENT_CLOSED,
+    Disconnected,
+    EventStream,
+    Gateway,
+    collect,
+    kv_cache_info,
+    observed_events,
+    usage,
+)
 from app.protocol import CompletionRequest, new_id, now
-from app.sse import StreamFramer, stream_response
+from app.sse import StreamFramer, merged, stream_response
 from scheduler.generation import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
 
 
@@ -58,7 +67,7 @@ async def completion(
 ) -> JSONResponse | StreamingResponse | Response:
     admitted = time.perf_counter()  # a kv_slo_ms budget counts tokenization too
     gateway.check_model(request.model)
-    job = gateway.job(
+    jobs = gateway.jobs(
         request,
         _prompt_ids(gateway, request),
         request.max_tokens,
@@ -69,35 +78,40 @@ async def completion(
     if request.stream:
         return stream_response(
             # admitted here, so a 429 is the response's status, not an error inside a 200 stream
-            _stream(gateway, request, job, request.include_usage, gateway.events(job)),
+            _stream(gateway, request, jobs, request.include_usage, gateway.admit_all(jobs)),
             on_error=lambda exc: gateway.metrics.http_errors.labels("stream", error_code(exc)).inc(),
         )
 
-    out = await collect(gateway, "completions", job, disconnected)
-    if out is None:
+    outs = await collect(gateway, "completions", jobs, disconnected)
+    if outs is None:
         return Response(status_code=CLIENT_CLOSED)
-    text = out.text
-    logprobs = None
-    if request.logprobs is not None:
-        builder = _LogprobsBuilder()
-        for entry in out.prompt.prompt_logprobs or []:
-            builder.add(entry)
-        for token in out.tokens:
-            assert token.logprob is not None
-            builder.add(token.logprob)
-        logprobs = builder.body
-    if request.echo:
-        text = _prompt_text(gateway, request, job) + text
+    choices = []
+    for index, out in enumerate(outs):
+        text = out.text
+        logprobs = None
+        if request.logprobs is not None:
+            builder = _LogprobsBuilder()
+            for entry in out.prompt.prompt_logprobs or []:
+                builder.add(entry)
+            for token in out.tokens:
+                assert token.logprob is not None
+                builder.add(token.logprob)
+            logprobs = builder.body
+        if request.echo:
+            text = _prompt_text(gateway, request, jobs[index]) + text
+        choices.append(
+            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finished.reason}
+        )
+    info = outs[0].prompt.kv_info
+    completion_tokens = sum(out.finished.completion_tokens for out in outs)
     body = {
         "id": new_id("cmpl"),
         "object": "text_completion",
         "created": now(),
         "model": gateway.model_name,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": out.finished.reason}],
-        "usage": usage(
-            len(job.prompt_ids), out.finished.completion_tokens, out.prompt.kv_info.cached_tokens
-        ).model_dump(),
-        "kv_cache_info": kv_cache_info(out.prompt.kv_info),
+        "choices": choices,
+        "usage": usage(len(jobs[0].prompt_ids), completion_tokens, info.cached_tokens).model_dump(),
+        "kv_cache_info": kv_cache_info(info),
     }
     return JSONResponse(body)
 
@@ -105,42 +119,46 @@ async def completion(
 async def _stream(
     gateway: Gateway,
     request: CompletionRequest,
-    job: GenerationJob,
+    jobs: list[GenerationJob],
     include_usage: bool,
-    events: AsyncIterator[Any],
+    streams: list[EventStream],
 ) -> AsyncIterator[str]:
     framer = StreamFramer("text_completion", "cmpl", gateway.model_name)
 
-    def chunk(text: str, logprobs: dict | None = None, finish: str | None = None, **extra: Any) -> str:
-        return framer.choice({"text": text, "logprobs": logprobs, "finish_reason": finish}, **extra)
+    def chunk(
+        index: int, text: str, logprobs: dict | None = None, finish: str | None = None, **extra: Any
+    ) -> str:
+        return framer.choice({"text": text, "logprobs": logprobs, "finish_reason": finish}, index, **extra)
 
     prompt: PromptDone | None = None
-    offset = 0
-    async for event in observed_events(gateway, "completions", job, events):
+    offsets = [0] * len(jobs)  # text_offset of each choice's next token
+    completion = 0
+    choices = [observed_events(gateway, "completions", job, events) for job, events in zip(jobs, streams)]
+    async for index, event in merged(choices):
         if isinstance(event, PromptDone):
-            prompt = event
+            prompt = prompt or event
+            text, logprobs = "", None
             if request.echo:
                 builder = _LogprobsBuilder()
                 for entry in event.prompt_logprobs or []:
                     builder.add(entry)
-                text = _prompt_text(gateway, request, job)
-                offset = len(text)
-                yield chunk(
-                    text,
-                    builder.body if request.logprobs is not None else None,
-                    kv_cache_info=kv_cache_info(event.kv_info),
-                )
+                text = _prompt_text(gateway, request, jobs[index])
+                offsets[index] = len(text)
+                logprobs = builder.body if request.logprobs is not None else None
+            # the first chunk of every choice carries kv_cache_info, with or without echo
+            yield chunk(index, text, logprobs, kv_cache_info=kv_cache_info(event.kv_info))
         elif isinstance(event, TokenEvent):
             logprobs = None
             if event.logprob is not None:
-                builder = _LogprobsBuilder(offset)
+                builder = _LogprobsBuilder(offsets[index])
                 builder.add(event.logprob)
                 logprobs = builder.body
-            offset += len(event.text)
+            offsets[index] += len(event.text)
             if event.text or logprobs is not None:
-                yield chunk(event.text, logprobs)
+                yield chunk(index, event.text, logprobs)
         elif isinstance(event, Finished):
-            yield chunk(event.text_tail, None, event.reason)
-            if include_usage and prompt is not None:
-                u = usage(len(job.prompt_ids), event.completion_tokens, prompt.kv_info.cached_tokens)
-                yield framer.usage(u.model_dump())
+            completion += event.completion_tokens
+            yield chunk(index, event.text_tail, None, event.reason)
+    if include_usage and prompt is not None:
+        u = usage(len(jobs[0].prompt_ids), completion, prompt.kv_info.cached_tokens)
+        yield framer.usage(u.model_dump())

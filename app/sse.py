@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -24,8 +25,8 @@ class StreamFramer:
     def __init__(self, obj: str, id_prefix: str, model: str) -> None:
         self.head = {"id": new_id(id_prefix), "object": obj, "created": now(), "model": model}
 
-    def choice(self, choice: dict[str, Any], **extra: Any) -> str:
-        return sse({**self.head, "choices": [{"index": 0, **choice}], **extra})
+    def choice(self, choice: dict[str, Any], index: int = 0, **extra: Any) -> str:
+        return sse({**self.head, "choices": [{"index": index, **choice}], **extra})
 
     def usage(self, usage: dict[str, Any]) -> str:
         """The closing chunk of ``stream_options.include_usage``: no choices, just usage."""
@@ -52,3 +53,34 @@ def stream_response(chunks: AsyncIterator[str], on_error: Callable[[Exception], 
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """The items of several streams as they come, each with its stream's index (a request's ``n``
+    choices). The first error ends it; leaving it early cancels every stream."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    end = object()
+
+    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+            await queue.put((index, end))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await queue.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -22,7 +22,7 @@ import torch
 from engine import ModelRunner
 from engine.detokenize import IncrementalText
 from engine.ragged import Segment
-from engine.sampling import SamplingParams, make_generator, sample_next
+from engine.sampling import SamplingParams, TokenHistory, adjust_logits, make_generator, sample_next
 from scheduler.loader import ChunkReport, KVRequest
 
 
@@ -119,6 +119,7 @@ class Generation:
         self.on_finished = on_finished
         self.text = IncrementalText(runner.tokenizer, job.stops)
         self.generator = make_generator(job.sampling.seed, runner.device)
+        self.history: TokenHistory | None = None  # made at the first token, when the vocabulary is known
         self.prompt_lp: list[TokenLogprob] | None = [] if job.prompt_logprobs is not None else None
         self.last_token: int | None = None  # sampled, its KV not yet computed
         self.produced = 0
@@ -191,7 +192,14 @@ class Generation:
 
     def _accept(self, logits: torch.Tensor) -> None:
         job = self.job
-        token = sample_next(logits, job.sampling, self.generator)
+        scores = logits
+        if job.sampling.adjusts_logits:
+            if self.history is None:
+                self.history = TokenHistory(logits.shape[-1], job.prompt_ids, logits.device)
+            scores = adjust_logits(logits, job.sampling, self.history)
+        token = sample_next(scores, job.sampling, self.generator)
+        if self.history is not None:
+            self.history.add(token)
         if token in self.runner.eos_token_ids and not job.sampling.ignore_eos:
             self.finish("stop")
             return

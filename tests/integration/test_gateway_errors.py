@@ -52,7 +52,7 @@ def test_malformed_json(gateway):
         (chat(max_tokens="ten"), "max_tokens"),
         (chat(temperature=3), "temperature"),
         (chat(top_p=0), "top_p"),
-        (chat(n=2), "n"),
+        (chat(n=9), "n"),
         (chat(stop=["a", "b", "c", "d", "e"]), "stop"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "model"),
     ],

@@ -23,7 +23,15 @@ def test_chat_defaults_and_aliases():
         {"max_tokens": 0},
         {"temperature": -0.1},
         {"top_p": 1.5},
-        {"n": 3},
+        {"n": 0},
+        {"n": 9},
+        {"presence_penalty": 2.5},
+        {"repetition_penalty": 0},
+        {"logit_bias": {"x": 1}},
+        {"logit_bias": {"5": 101}},
+        {"logit_bias": {"-1": 1}},
+        {"top_logprobs": 2},  # without logprobs: true
+        {"logprobs": True, "top_logprobs": 21},
         {"stop": ""},
         {"stop": ["a", ""]},
         {"max_tokens": 3, "max_completion_tokens": 4},
@@ -32,6 +40,28 @@ def test_chat_defaults_and_aliases():
 def test_chat_rejects(extra):
     with pytest.raises(ValidationError):
         ChatCompletionRequest(**{"model": "m", "messages": MSG, **extra})
+
+
+def test_unsupported_parameters_are_named():
+    def refused(**extra):
+        return ChatCompletionRequest(model="m", messages=MSG, **extra).unsupported()
+
+    assert refused() is None
+    assert refused(response_format={"type": "text"}) is None and refused(tool_choice="none") is None
+    assert refused(tools=[{"type": "function", "function": {"name": "f"}}])[0] == "tools"
+    assert refused(tool_choice="auto")[0] == "tool_choice"
+    assert refused(response_format={"type": "json_object"})[0] == "response_format"
+
+
+def test_unknown_fields_are_kept_aside_to_be_named():
+    r = ChatCompletionRequest(model="m", messages=MSG, best_of=2, guided_json={})
+    assert r.ignored_fields() == ["best_of", "guided_json"]
+    assert ChatCompletionRequest(model="m", messages=MSG).ignored_fields() == []
+
+
+def test_logit_bias_keys_become_token_ids():
+    r = ChatCompletionRequest(model="m", messages=MSG, logit_bias={"5": -100, "7": 2.5})
+    assert r.logit_bias == {5: -100.0, 7: 2.5}
 
 
 def test_content_parts_are_joined():
