@@ -116,7 +116,8 @@ class Gateway:
 
     @property
     def max_context(self) -> int:
-        return self.runner.max_context
+        """The context window: the model's, or less with ``max_model_len``."""
+        return min(self.runner.max_context, self.settings.max_model_len or self.runner.max_context)
 
     # -- request checks ---------------------------------------------------------------------------
 
@@ -193,6 +194,11 @@ class Gateway:
     def text_token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.runner.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
+    def warn_ignored(self, fields: list[str]) -> None:
+        """Unknown request fields are accepted and ignored, as vLLM does, and named in the log."""
+        if fields:
+            log.warning("ignoring unknown request fields: %s", ", ".join(fields))
+
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = len(self.runner.tokenizer)
         bad = next((t for t in ids if t >= vocab), None)
@@ -215,8 +221,7 @@ class Gateway:
     def _job(
         self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None, **extra: Any
     ) -> GenerationJob:
-        if request.ignored_fields():
-            log.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields()))
+        self.warn_ignored(request.ignored_fields())
         bias = request.logit_bias or {}
         self.check_token_ids(list(bias), "logit_bias")
         if isinstance(request, CompletionRequest):
@@ -418,6 +423,12 @@ def build_gateway(settings: Settings) -> Gateway:
         served_name=settings.served_model_name,
     )
     runner = ModelRunner(loaded)
+    if settings.max_model_len and settings.max_model_len > runner.max_context:
+        log.warning(
+            "max_model_len %d is more than the model's window; using %d",
+            settings.max_model_len,
+            runner.max_context,
+        )
     tokenizer = loaded.tokenizer
     vocab = sorted(tokenizer.get_vocab().items())
     fingerprint = make_fingerprint(

@@ -231,7 +231,7 @@ class CompletionRequest(SamplingFields, KVExtension):
 class ContextRequest(BaseModel):
     """POST /contexts: exactly one of text, messages, prompt_token_ids."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, and named in the log
     SOURCES: ClassVar[tuple[str, ...]] = ("text", "messages", "prompt_token_ids")
 
     model: str | None = None
@@ -246,6 +246,9 @@ class ContextRequest(BaseModel):
         if len(given) != 1:
             raise ValueError("give exactly one of text, messages, prompt_token_ids")
         return self
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
     @property
     def source(self) -> str:

@@ -85,6 +85,7 @@ def encode_tokens(gateway: Gateway, token_ids: list[int], levels: list[Level]) -
 
 async def create_context(gateway: Gateway, request: ContextRequest) -> dict[str, Any]:
     gateway.check_model(request.model)
+    gateway.warn_ignored(request.ignored_fields())
     levels = gateway.encode_levels(request.levels)
     token_ids = context_token_ids(gateway, request)
     gateway.token_budget(len(token_ids), 0, prompt_param=request.source)

@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     # model
     model: str = Field(DEFAULT_MODEL, description="'smollm2' (built in), a model directory, or a hub id")
     served_model_name: str | None = Field(None, description="name clients put in 'model'")
+    max_model_len: int | None = Field(
+        None, ge=1, description="context window in tokens (prompt + output); default: the model's"
+    )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
     cache_dir: Path = Field(default_factory=default_cache_dir, description="converted models live here")
     torch_threads: int | None = Field(
