@@ -25,7 +25,7 @@ from app.protocol import (
     Usage,
 )
 from app.settings import Settings
-from app.threads import configure_threads, numba_initializer, thread_budget
+from app.threads import configure_threads, thread_budget, worker_initializer
 from codec import Level, level_by_name
 from codec.levels import default_level_table, load_level_table
 from engine import ModelRunner, load_model
@@ -438,11 +438,20 @@ def build_gateway(settings: Settings) -> Gateway:
         chunk_size=settings.chunk_size,
     )
     store = open_store(settings.store_url, cache_bytes=settings.store_cache_bytes)
-    io_pool = ThreadPoolExecutor(max_workers=settings.store_threads, thread_name_prefix="kv-io")
-    codec_threads = numba_initializer(threads)
+    # every thread but the model thread runs torch on one thread (app/threads.py)
+    worker_threads = worker_initializer(threads)
+    io_pool = ThreadPoolExecutor(
+        max_workers=settings.store_threads, thread_name_prefix="kv-io", initializer=worker_threads
+    )
     # one codec operation at a time, on the budget's numba threads: decodes of concurrent loads and
     # encodes of pre-encodes and write-backs would otherwise oversubscribe the cores
     codec_gate = CodecGate()
+    loop = StepLoop(
+        runner,
+        settings.max_num_seqs,
+        max_batched_tokens(settings, runner),
+        torch_threads=lambda: threads.torch if codec_gate.active else threads.torch_alone,
+    )
     contexts = ContextStore(store, fingerprint, loaded.name, settings.chunk_size, io_pool, codec_gate)
     geometry = KVGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim)
     metrics = Metrics()
@@ -452,7 +461,8 @@ def build_gateway(settings: Settings) -> Gateway:
     profile_file = profile_path(
         settings.cache_dir, profile_key(fingerprint.hex, runner, list(levels), settings.chunk_size)
     )
-    profile = load_or_measure(profile_file, runner, list(levels), settings.chunk_size)
+    # measured on the model thread, at the speed requests will see
+    profile = loop.call(load_or_measure, profile_file, runner, list(levels), settings.chunk_size)
     loader = PrefixLoader(store, geometry, io_pool, profile, codec_gate=codec_gate)
     write_back = None
     if settings.write_back:
@@ -460,17 +470,10 @@ def build_gateway(settings: Settings) -> Gateway:
             contexts,
             _pick_levels(levels, settings.write_back_levels),
             on_done=lambda outcome: metrics.write_backs.labels(outcome).inc(),
-            initializer=codec_threads,
+            initializer=worker_threads,
         )
     memory = KVMemory(settings.kv_memory_bytes)
-    admission = Admission(settings.max_queue, max(2, min(8, settings.max_num_seqs)), codec_threads)
-
-    loop = StepLoop(
-        runner,
-        settings.max_num_seqs,
-        max_batched_tokens(settings, runner),
-        torch_threads=lambda: threads.torch if codec_gate.active else threads.torch_alone,
-    )
+    admission = Admission(settings.max_queue, max(2, min(8, settings.max_num_seqs)), worker_threads)
     metrics.running.set_function(lambda: loop.running)
     metrics.waiting.set_function(lambda: max(0, admission.admitted - loop.running))
     metrics.kv_memory_used.set_function(lambda: memory.used)

@@ -15,8 +15,20 @@ loop switches before each step (``scheduler/codec_gate.py``). That keeps the
 idle machine's speed (2 threads: 1.8x faster prefill, 15% faster decode
 steps on 2 cores) without paying for it when a decode runs beside a step.
 
-numba's thread count is per calling thread, so pools that run codec work set
-it in their initializer (``numba_initializer``).
+Only the model thread runs torch with more than one thread. GNU OpenMP keeps
+a team of worker threads for every thread that ever ran a parallel region,
+and once it manages more threads than there are cores it stops spinning
+between regions and puts its workers to sleep: every parallel region then
+pays for waking them. Measured on 2 cores, a batch-4 decode step on the
+model thread went from 62 ms to 89-95 ms for the rest of the process's life
+after another thread had run one 2K-token prefill with two threads (and to
+98 ms with ``OMP_WAIT_POLICY=PASSIVE``, the same effect made permanent). So
+every other thread (start-up, the event loop, prepare and write-back pools)
+runs torch on one thread, and start-up work that needs the model's speed
+(the cost profile) runs on the model thread.
+
+numba's thread count is per calling thread too, so the pools set both in
+their initializer (``worker_initializer``).
 """
 
 from __future__ import annotations
@@ -50,8 +62,12 @@ def thread_budget(
     return ThreadBudget(torch=torch, numba=numba, torch_alone=torch_threads or cores)
 
 
-def configure_threads(budget: ThreadBudget) -> None:
-    """Apply ``budget`` to this process (torch) and the calling thread (numba); call before either runs.
+def configure_threads(budget: ThreadBudget, model_thread: bool = False) -> None:
+    """Apply ``budget`` to the calling thread; call before torch or numba runs.
+
+    The gateway's main thread is not the model thread: it gets one torch thread
+    (see above). A tool that runs the model on the calling thread passes
+    ``model_thread=True``.
 
     numba's default OpenMP layer, once started in a process that also runs
     torch, made every later torch forward pass 5-6x slower here (two OpenMP
@@ -61,16 +77,20 @@ def configure_threads(budget: ThreadBudget) -> None:
     import torch
 
     numba.config.THREADING_LAYER = "workqueue"
-    torch.set_num_threads(budget.torch_alone)
-    numba_initializer(budget)()
+    torch.set_num_threads(budget.torch_alone if model_thread else 1)
+    worker_initializer(budget)()
+    if model_thread:
+        torch.set_num_threads(budget.torch_alone)
 
 
-def numba_initializer(budget: ThreadBudget) -> Callable[[], None]:
-    """For ``ThreadPoolExecutor(initializer=...)``: the pool's threads use the budget's numba threads."""
+def worker_initializer(budget: ThreadBudget) -> Callable[[], None]:
+    """For ``ThreadPoolExecutor(initializer=...)``: one torch thread, the budget's numba threads."""
 
     def init() -> None:
         import numba
+        import torch
 
+        torch.set_num_threads(1)
         numba.set_num_threads(min(budget.numba, numba.config.NUMBA_NUM_THREADS))
 
     return init

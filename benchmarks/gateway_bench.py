@@ -117,7 +117,7 @@ def bench_overhead(url: str, requests: int) -> dict:
     from engine.sampling import SamplingParams
 
     settings = Settings()  # the same thread settings as the gateway process
-    configure_threads(thread_budget(settings.torch_threads, settings.numba_threads))
+    configure_threads(thread_budget(settings.torch_threads, settings.numba_threads), model_thread=True)
     runner = ModelRunner(load_model())
     messages = [{"role": "user", "content": "Hi!"}]
     prompt = runner.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -54,7 +54,7 @@ def main() -> None:
     from engine import ModelRunner, load_model
     from engine.ragged import ATTENTION_NAME, Segment
 
-    configure_threads(thread_budget(args.torch_threads, None))
+    configure_threads(thread_budget(args.torch_threads, None), model_thread=True)
     runner = ModelRunner(load_model("smollm2"))
     model = runner.model
     ids = runner.tokenizer("A long history of programming languages. " * 200)["input_ids"]
@@ -66,12 +66,12 @@ def main() -> None:
         for kv, n in zip(buffers, lengths):
             runner.forward_ragged([Segment(kv, 0, ids[:n], "none")])
 
-        def ragged() -> None:
+        def ragged(buffers=buffers, lengths=lengths) -> None:
             runner.forward_ragged([Segment(kv, n, [5]) for kv, n in zip(buffers, lengths)])
 
         longest = max(lengths)
 
-        def padded() -> None:
+        def padded(buffers=buffers, lengths=lengths, batch=batch, longest=longest) -> None:
             # rebuilt each time: the cache grows by concatenation, as a fresh step's would
             cache = DynamicCache(config=model.config)
             for layer in range(runner.num_layers):
@@ -93,7 +93,7 @@ def main() -> None:
                     use_cache=True,
                 )
 
-        def padded_build_only() -> None:
+        def padded_build_only(buffers=buffers, lengths=lengths, batch=batch, longest=longest) -> None:
             cache = DynamicCache(config=model.config)
             for layer in range(runner.num_layers):
                 keys = torch.zeros(batch, runner.num_kv_heads, longest, runner.head_dim)

@@ -26,7 +26,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,6 +37,7 @@ from engine.ragged import Segment
 from scheduler.generation import Generation
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 IDLE_PREFILL_TOKENS = 512
 MIN_PREFILL_TOKENS = 16  # prompts progress however many streams decode
@@ -98,6 +101,7 @@ class StepLoop:
         self._waiting: deque[Generation] = deque()  # loaded, waiting for a batch slot
         self._running: list[Generation] = []
         self._tasks: list[PrefillTask] = []
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="model", daemon=True)
         self._thread.start()
@@ -137,6 +141,20 @@ class StepLoop:
             raise task.error
         return task.remaining == 0
 
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the model thread, between steps, and return its result.
+
+        For model work outside requests that must run at the model thread's
+        speed (the start-up cost profile): see ``app/threads.py``.
+        """
+        future: Future[T] = Future()
+        with self._cond:
+            if self._stopping:
+                raise LoopStopped("the server is shutting down")
+            self._calls.append((lambda: fn(*args), future))
+            self._cond.notify()
+        return future.result()
+
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
             self._stopping = True
@@ -152,13 +170,22 @@ class StepLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._incoming or self._waiting or self._running or self._tasks):
+                while not (
+                    self._stopping or self._incoming or self._waiting or self._running or self._tasks or self._calls
+                ):
                     self._cond.wait()
                 if self._stopping:
                     break
                 self._waiting.extend(self._incoming)
                 self._incoming.clear()
                 tasks = list(self._tasks)
+                calls, self._calls = list(self._calls), deque()
+            for fn, future in calls:
+                self._set_threads()
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - the caller re-raises it
+                    future.set_exception(exc)
             try:
                 self._drop_cancelled(tasks)
                 self._step(tasks)
