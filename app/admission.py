@@ -92,7 +92,9 @@ class EventStream:
     """One admitted job's events. Closing it (at the end, on an error, by ``aclose``, or when it
     is dropped unread) cancels the job and gives its admission back, exactly once."""
 
-    def __init__(self, queue: asyncio.Queue[Any], cancel: threading.Event, release: Callable[[], None]) -> None:
+    def __init__(
+        self, queue: asyncio.Queue[Any], cancel: threading.Event, release: Callable[[], None]
+    ) -> None:
         self._queue = queue
         self._cancel = cancel
         self._release: Callable[[], None] | None = release
