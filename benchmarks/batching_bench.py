@@ -24,7 +24,7 @@ each point, errors by status (429s apart), the gateway's peak RSS (VmHWM) and
 the KV budget when ``CACHEGEN_KV_MEMORY_BYTES`` is set. Writes
 ``benchmarks/results/batching_<timestamp>.json`` and prints a table.
 
-    # the full run (about 45 minutes on a GPU)
+    # the full run (2 minutes a point; 45 s a point took 38 minutes on 2 CPU cores)
     python benchmarks/batching_bench.py
     # a quick look
     python benchmarks/batching_bench.py --duration 20 --concurrency 1,8,16
