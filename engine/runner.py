@@ -133,23 +133,6 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def prefill_into(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> None:
-        """Prefill ``token_ids`` on top of ``kv[..., :start, :]``; their KV lands in ``kv`` after it."""
-        end = start + len(token_ids)
-        cache = self.cache_from_kv(kv, start)
-        self.model(
-            input_ids=torch.tensor([token_ids], device=self.device),
-            position_ids=torch.arange(start, end, device=self.device).unsqueeze(0),
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        for index, layer in enumerate(cache.layers[: self.num_layers]):
-            if not isinstance(layer, BufferLayer):  # a layer type that keeps its own storage
-                kv[index, 0, :, start:end] = layer.keys[0, :, start:end]
-                kv[index, 1, :, start:end] = layer.values[0, :, start:end]
-
-    @torch.inference_mode()
     def forward_ragged(self, segments: list[Segment]) -> list[torch.Tensor | None]:
         """One forward pass over every segment's tokens (see ``engine.ragged``).
 

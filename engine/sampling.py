@@ -34,7 +34,10 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
         )
 
 

@@ -121,6 +121,7 @@ class Generation:
         self.generator = make_generator(job.sampling.seed, runner.device)
         self.history: TokenHistory | None = None  # made at the first token, when the vocabulary is known
         self.prompt_lp: list[TokenLogprob] | None = [] if job.prompt_logprobs is not None else None
+        self._previous_row: torch.Tensor | None = None  # the last prompt-logprobs row of the last segment
         self.last_token: int | None = None  # sampled, its KV not yet computed
         self.produced = 0
         self.prefill_started: float | None = None
@@ -233,6 +234,7 @@ class Generation:
                 self.prompt_lp.append(TokenLogprob(self._piece(token), None, None))
                 continue
             source = self._previous_row if row == -1 else logprobs[row]
+            assert source is not None
             value = float(source[token])
             self.prompt_lp.append(
                 TokenLogprob(

@@ -59,12 +59,11 @@ class PrefillTask:
     arrived: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    start_offset: int = 0  # tokens of ``token_ids`` already prefilled
 
     @property
     def remaining(self) -> int:
         return len(self.token_ids) - self.start_offset
-
-    start_offset: int = 0  # tokens of ``token_ids`` already prefilled
 
     def segment(self, budget: int) -> Segment:
         n = min(budget, self.remaining)
@@ -170,9 +169,7 @@ class StepLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (
-                    self._stopping or self._incoming or self._waiting or self._running or self._tasks or self._calls
-                ):
+                while not (self._stopping or self._has_work()):
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -193,6 +190,9 @@ class StepLoop:
                 log.exception("the step loop failed; failing the requests in flight")
                 self._fail_all(exc)
         self._abort_all()
+
+    def _has_work(self) -> bool:
+        return bool(self._incoming or self._waiting or self._running or self._tasks or self._calls)
 
     def _drop_cancelled(self, tasks: list[PrefillTask]) -> None:
         for gen in [g for g in (*self._waiting, *self._running) if g.cancel.is_set()]:
