@@ -25,6 +25,8 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 MAX_STOPS = 4
 MAX_N = 8
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_TTL_SECONDS = 10 * 365 * 86400
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
 
 # Fields that accept several shapes are normalized to one by a "before" validator that also
 # states the constraint: a pydantic union reports each member's failure ("stop.str: Input should
@@ -144,6 +146,9 @@ class KVExtension(BaseModel):
     kv_slo_ms: Annotated[float, Field(gt=0, le=3_600_000)] | None = Field(
         None, description="time-to-first-token budget for 'auto' (default: the server's)"
     )
+    cache_salt: CacheSalt | None = Field(
+        None, description="as in vLLM: requests share stored KV only with requests of the same salt"
+    )
 
 
 class SamplingFields(BaseModel):
@@ -239,6 +244,12 @@ class ContextRequest(BaseModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     prompt_token_ids: TokenIds | None = None
     levels: Annotated[list[str], Field(min_length=1)] | None = None
+    cache_salt: CacheSalt | None = Field(
+        None, description="the salt of the requests that are to reuse this context (as in vLLM)"
+    )
+    ttl_seconds: Annotated[int, Field(ge=1, le=MAX_TTL_SECONDS)] | None = Field(
+        None, description="the context expires this long after it is stored; default: pinned (never)"
+    )
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ContextRequest:

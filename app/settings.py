@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, SecretStr
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -41,6 +41,8 @@ def _lower(value: Any) -> Any:
 
 # NoDecode: the list is parsed here, not as JSON by pydantic-settings
 NameList = Annotated[list[str] | None, NoDecode, BeforeValidator(_name_list)]
+# API keys: parsed as a name list, held as secrets so that no repr or log line shows them
+KeyList = Annotated[list[SecretStr] | None, NoDecode, BeforeValidator(_name_list)]
 
 
 class Settings(BaseSettings):
@@ -109,7 +111,38 @@ class Settings(BaseSettings):
         "text", description="'json': one JSON object per line, with the request id of each request's lines"
     )
 
+    # access and tenants (app/auth.py)
+    api_key: KeyList = Field(
+        None, description="bearer keys clients must send, comma-separated; unset (and no file): open"
+    )
+    api_key_file: Path | None = Field(None, description="file of API keys, one per line ('#' comments)")
+    metrics_auth: bool = Field(False, description="/metrics needs a key too (default: open to scrapers)")
+    shared_cache: bool = Field(
+        False,
+        description="with API keys: all keys share one KV cache (default: each key is its own tenant, "
+        "and a tenant never reads, lists or learns of another's stored KV)",
+    )
+
+    # stored KV lifecycle (scheduler/lifecycle.py)
+    store_max_bytes: int | None = Field(
+        None, ge=1, description="cap on the store's size: whole contexts are evicted, least recently used first"
+    )
+    gc_interval_s: float | None = Field(
+        None, gt=0, description="run the garbage collector (python -m app gc) in the gateway this often"
+    )
+    gc_grace_s: float = Field(
+        3600.0,
+        ge=0,
+        description="chunks no live context lists (write-back, interrupted uploads) are kept this long",
+    )
+
     # HTTP
+    max_body_bytes: int = Field(
+        16 * 2**20, ge=1024, description="largest request body accepted (413 beyond it)"
+    )
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="on SIGTERM, running requests get this long to finish, then are cancelled"
+    )
     cors_origins: NameList = Field(
         None,
         description="origins browsers may call from, e.g. 'https://app.example,https://b.example', "
@@ -133,6 +166,16 @@ class Settings(BaseSettings):
         if config_file:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
         return tuple(sources)
+
+    def api_keys(self) -> list[str]:
+        """Every configured key: ``api_key`` and the lines of ``api_key_file``."""
+        keys = [k.get_secret_value() for k in self.api_key or []]
+        if self.api_key_file is not None:
+            for line in self.api_key_file.read_text(encoding="utf-8").splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    keys.append(line)
+        return keys
 
     @property
     def store_url(self) -> str:
