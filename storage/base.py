@@ -29,6 +29,7 @@ def check_key(key: str) -> str:
 class ObjectInfo:
     key: str
     size: int
+    modified: float = 0.0  # when the object was last written, Unix seconds (garbage collection's grace)
 
 
 class ObjectStore(abc.ABC):
@@ -69,6 +70,12 @@ class ObjectStore(abc.ABC):
             except ObjectNotFound:
                 out.append(None)
         return out
+
+    def get_fresh(self, key: str, max_age_s: float) -> bytes:
+        """Like ``get``, but a copy cached in this process may be at most ``max_age_s`` old: for
+        objects that other processes rewrite or delete (a prefix index), so a cache in front of the
+        store serves their deletes within that bound. Stores without a cache read through."""
+        return self.get(key)
 
     def exists_many(self, keys: Iterable[str]) -> list[bool]:
         return [self.head(k) is not None for k in keys]

@@ -65,7 +65,8 @@ class LocalStore(ObjectStore):
 
     def head(self, key: str) -> ObjectInfo | None:
         try:
-            return ObjectInfo(key, self._path(key).stat().st_size)
+            stat = self._path(key).stat()
+            return ObjectInfo(key, stat.st_size, stat.st_mtime)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -85,6 +86,11 @@ class LocalStore(ObjectStore):
                 if name.startswith(_TMP_PREFIX):
                     continue
                 key = (rel_dir / name).as_posix() if rel_dir != Path(".") else name
-                if key.startswith(prefix):
-                    found.append(ObjectInfo(key, (Path(dirpath) / name).stat().st_size))
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    stat = (Path(dirpath) / name).stat()
+                except FileNotFoundError:  # deleted while listing
+                    continue
+                found.append(ObjectInfo(key, stat.st_size, stat.st_mtime))
         return iter(sorted(found, key=lambda info: info.key))

@@ -264,7 +264,8 @@ class S3Store(ObjectStore):
         content_range = response.get("ContentRange") or ""
         total = content_range.rpartition("/")[2]
         size = int(total) if total.isdigit() else int(response.get("ContentLength", 0))
-        return ObjectInfo(key, size)
+        modified = response.get("LastModified")
+        return ObjectInfo(key, size, modified.timestamp() if modified else 0.0)
 
     def delete(self, key: str) -> None:
         obj_key = self._object_key(key)
@@ -280,7 +281,10 @@ class S3Store(ObjectStore):
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=full_prefix):
                 for obj in page.get("Contents", []):
-                    yield ObjectInfo(obj["Key"][strip:], int(obj["Size"]))
+                    modified = obj.get("LastModified")
+                    yield ObjectInfo(
+                        obj["Key"][strip:], int(obj["Size"]), modified.timestamp() if modified else 0.0
+                    )
         except self._CAUGHT as exc:
             raise self._translate(exc, "list", None) from exc
 

@@ -12,12 +12,15 @@ directly in the bucket) keeps being served from this cache, with the bytes
 this process last saw, until it is evicted, deleted or rewritten through this
 store. For an object corrupted or deleted behind our back that is the correct
 answer; for a key reused for different content it is not, which is why keys
-must never be reused.
+must never be reused. Objects that other processes do rewrite (a prefix
+index, which lists what may be read) are read with ``get_fresh``, which
+bounds how old a cached copy may be.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
@@ -39,6 +42,7 @@ class LRUCacheStore(ObjectStore):
         self.misses = 0
         self.evictions = 0
         self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self._cached_at: dict[str, float] = {}  # monotonic time each entry was read or written
         self._inflight: dict[str, Future[bytes]] = {}
         self._writes = 0  # bumped by every put/delete, so a batch fetch can tell it raced one
         self._lock = threading.Lock()
@@ -61,14 +65,17 @@ class LRUCacheStore(ObjectStore):
         if len(blob) > self.capacity_bytes:
             return  # would evict everything and still not fit
         self._entries[key] = blob
+        self._cached_at[key] = time.monotonic()
         self.size_bytes += len(blob)
         while self.size_bytes > self.capacity_bytes:
-            _, old = self._entries.popitem(last=False)
+            old_key, old = self._entries.popitem(last=False)
+            self._cached_at.pop(old_key, None)
             self.size_bytes -= len(old)
             self.evictions += 1
 
     def _drop(self, key: str) -> None:
         old = self._entries.pop(key, None)
+        self._cached_at.pop(key, None)
         if old is not None:
             self.size_bytes -= len(old)
 
@@ -112,6 +119,14 @@ class LRUCacheStore(ObjectStore):
         pending.set_result(blob)
         return blob
 
+    def get_fresh(self, key: str, max_age_s: float) -> bytes:
+        check_key(key)
+        with self._lock:
+            cached_at = self._cached_at.get(key)
+            if cached_at is not None and time.monotonic() - cached_at > max_age_s:
+                self._invalidate(key)
+        return self.get(key)
+
     def get_range(self, key: str, start: int, length: int) -> bytes:
         check_key(key)
         with self._lock:
@@ -125,12 +140,9 @@ class LRUCacheStore(ObjectStore):
         return self.backend.get_range(key, start, length)
 
     def head(self, key: str) -> ObjectInfo | None:
-        check_key(key)
-        with self._lock:
-            blob = self._entries.get(key)
-        if blob is not None:
-            return ObjectInfo(key, len(blob))
-        return self.backend.head(key)
+        # always the backend's answer: a caller asks to learn what the store holds now (and when it
+        # was written), and a cached copy knows neither
+        return self.backend.head(check_key(key))
 
     def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
         keys = [check_key(k) for k in keys]
@@ -195,6 +207,7 @@ class LRUCacheStore(ObjectStore):
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._cached_at.clear()
             self.size_bytes = 0
 
     def close(self) -> None:

@@ -199,3 +199,17 @@ def test_get_many_mixes_hits_misses_and_absent(backend: CountingStore) -> None:
 def test_capacity_must_be_positive(backend: CountingStore) -> None:
     with pytest.raises(ValueError):
         LRUCacheStore(backend, 0)
+
+
+def test_get_fresh_rereads_a_copy_older_than_its_bound() -> None:
+    """A prefix index deleted by another replica stops being served once the bound has passed."""
+    backend = MemoryStore()
+    cache = LRUCacheStore(backend, 1 << 20)
+    backend.put("kv/a/index.json", b"v1")
+    assert cache.get_fresh("kv/a/index.json", 60.0) == b"v1"
+    backend.put("kv/a/index.json", b"v2")  # behind the cache's back
+    assert cache.get_fresh("kv/a/index.json", 60.0) == b"v1"  # within the bound: the cached copy
+    assert cache.get_fresh("kv/a/index.json", 0.0) == b"v2"
+    backend.delete("kv/a/index.json")
+    with pytest.raises(ObjectNotFound):
+        cache.get_fresh("kv/a/index.json", 0.0)
