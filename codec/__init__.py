@@ -3,9 +3,10 @@
 No I/O, no asyncio, no settings: callers hand in tensors and level objects.
 """
 
+from codec.backends import Backend, NumbaBackend, backend_for, decode_into
 from codec.chunk import decode_chunk, encode_chunk
 from codec.container import FORMAT_VERSION
-from codec.errors import CodecError
+from codec.errors import CodecError, StreamError
 from codec.levels import (
     DEFAULT_LEVELS,
     LOSSLESS,
@@ -16,18 +17,28 @@ from codec.levels import (
     level_digest,
     load_level_table,
 )
+from codec.parsed import ParsedBatch, ParsedChunk, parse_chunk, parse_chunks
 
 __all__ = [
     "DEFAULT_LEVELS",
     "FORMAT_VERSION",
     "LOSSLESS",
+    "Backend",
     "CodecError",
     "Level",
     "LevelTableError",
+    "NumbaBackend",
+    "ParsedBatch",
+    "ParsedChunk",
     "Scheme",
+    "StreamError",
+    "backend_for",
     "decode_chunk",
+    "decode_into",
     "encode_chunk",
     "level_by_name",
     "level_digest",
     "load_level_table",
+    "parse_chunk",
+    "parse_chunks",
 ]

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from codec import container, int8, lossless, quantized
-from codec.dtypes import code_dtype, dtype_code
-from codec.errors import CodecError
+from codec.backends import decode_chunk_into
+from codec.dtypes import dtype_code
 from codec.levels import Level, Scheme
+from codec.parsed import DenseBody, parse_chunk
 
 
 def encode_chunk(kv: torch.Tensor, level: Level) -> bytes:
@@ -49,20 +50,12 @@ def decode_chunk(data: bytes | memoryview) -> torch.Tensor:
 
     Lossless schemes return the exact dtype and bits they were given (a casting
     level's dtype: float16 for ``fp16``); the lossy schemes return float32 (the
-    caller casts to the model's dtype).
+    caller casts to the model's dtype). To decode straight into a model's cache,
+    on its device, use ``parse_chunks`` and ``decode_into``.
     """
-    header, payload = container.unpack(data)
-    dtype = code_dtype(header.dtype)
-    try:
-        scheme = Scheme(header.scheme)
-    except ValueError:
-        raise CodecError(f"unknown scheme {header.scheme}") from None
-    if scheme is Scheme.RAW:
-        return lossless.from_raw(payload, dtype, header.shape)
-    if scheme is Scheme.ZSTD:
-        return lossless.zstd_decode(payload, dtype, header.shape)
-    if scheme is Scheme.QUANT:
-        return quantized.decode(payload, header.shape)
-    if scheme is Scheme.INT8:
-        return int8.decode(payload, header.shape)
-    raise CodecError(f"no decoder for scheme {scheme.name}")  # pragma: no cover
+    chunk = parse_chunk(data)
+    if isinstance(chunk.body, DenseBody):
+        return chunk.body.values
+    out = torch.empty(chunk.shape, dtype=torch.float32)
+    decode_chunk_into(chunk, out)
+    return out

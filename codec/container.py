@@ -15,6 +15,7 @@ from codec.errors import CodecError
 MAGIC = b"CGKV"
 # 2: adds the lossy QUANT scheme (scheme byte 2); 3: its side info is zstd-compressed.
 FORMAT_VERSION = 3
+READ_VERSIONS = (3,)  # what this build decodes; it writes FORMAT_VERSION only
 
 # magic, version, scheme, dtype, layers, kv_heads, head_dim, tokens, payload_len
 _HEADER = struct.Struct("<4sHBBHHHIQ")
@@ -32,6 +33,7 @@ class ChunkHeader:
     head_dim: int
     tokens: int
     payload_len: int
+    version: int = FORMAT_VERSION  # of the chunk read; a writer always writes FORMAT_VERSION
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -68,11 +70,11 @@ def read_header(data: bytes | memoryview) -> ChunkHeader:
     magic, version, scheme, dtype, layers, heads, head_dim, tokens, payload_len = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise CodecError("not a KV chunk (bad magic)")
-    if version != FORMAT_VERSION:
-        raise CodecError(f"unsupported chunk format version {version} (this build reads {FORMAT_VERSION})")
+    if version not in READ_VERSIONS:
+        raise CodecError(f"unsupported chunk format version {version} (this build reads {READ_VERSIONS})")
     if min(layers, heads, head_dim, tokens) == 0:
         raise CodecError("chunk header has a zero dimension")
-    return ChunkHeader(scheme, dtype, layers, heads, head_dim, tokens, payload_len)
+    return ChunkHeader(scheme, dtype, layers, heads, head_dim, tokens, payload_len, version)
 
 
 def unpack(data: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:

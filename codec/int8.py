@@ -9,6 +9,8 @@ quality (docs/codec.md). Layout and validation: codec/BITSTREAM.md.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -36,7 +38,15 @@ def encode(kv: torch.Tensor) -> bytes:
     return scale.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
 
 
-def decode(payload: bytes | memoryview, shape: tuple[int, int, int, int, int]) -> torch.Tensor:
+@dataclass(frozen=True)
+class Int8Body:
+    """A scheme-3 payload after the host-side parse: scales checked, no reserved code."""
+
+    scales: np.ndarray  # float32, (layers*2*tokens,) in order (l, kv, t)
+    codes: np.ndarray  # int8, the tensor's values in C order
+
+
+def parse(payload: bytes | memoryview, shape: tuple[int, int, int, int, int]) -> Int8Body:
     layers, _, _, tokens, _ = shape
     if len(payload) != payload_size(shape):
         raise CodecError(f"int8 payload is {len(payload)} bytes, the header needs {payload_size(shape)}")
@@ -50,6 +60,13 @@ def decode(payload: bytes | memoryview, shape: tuple[int, int, int, int, int]) -
     q = np.frombuffer(payload, dtype=np.int8, offset=4 * n_scales)
     if q.size and int(q.min()) < -QMAX:
         raise CodecError("int8 payload has the reserved code -128")
-    # One pass: int8 times float32 scale straight into a float32 array (about 1 ms per 256-token chunk).
-    out = np.multiply(q.reshape(shape), scale.reshape(layers, 2, 1, tokens, 1), dtype=np.float32)
-    return torch.from_numpy(out)
+    return Int8Body(scales=scale, codes=q)
+
+
+def decode_into(body: Int8Body, out: np.ndarray) -> None:
+    """``out``: float32 (layers, 2, heads, tokens, head_dim), any strides, on the CPU."""
+    layers, _, _, tokens, _ = out.shape
+    # One pass: int8 times float32 scale straight into float32 (about 1 ms per 256-token chunk).
+    np.multiply(
+        body.codes.reshape(out.shape), body.scales.reshape(layers, 2, 1, tokens, 1), out=out, dtype=np.float32
+    )

@@ -25,7 +25,7 @@ import zstandard
 
 from codec import rans
 from codec.entropy_model import FAMILIES, bank
-from codec.errors import CodecError
+from codec.errors import CodecError, StreamError
 from codec.quantize_kernel import quantize_rows
 from codec.zstd_frame import decompress_exact
 
@@ -161,7 +161,29 @@ class _Reader:
         return np.frombuffer(self.take(size * count, what), dtype=dtype)
 
 
-def decode(payload: bytes | memoryview, shape: tuple[int, int, int, int, int]) -> torch.Tensor:
+@dataclass(frozen=True)
+class QuantBody:
+    """A scheme-2 payload after the host-side parse: every check done but the streams' rANS ends.
+
+    ``words[offsets[s]:offsets[s+1]]`` are stream ``s``'s words (at least two each);
+    channel ``j`` has ``family[j] < FAMILIES``, ``center[j]`` and ``step[j]``.
+    """
+
+    groups: int
+    exact_tokens: int
+    exact: np.ndarray  # (layers*2*heads, exact_tokens, head_dim), float16 (or float32, below)
+    words: np.ndarray  # uint16
+    offsets: np.ndarray  # int64, streams + 1
+    family: np.ndarray  # uint8, per channel
+    center: np.ndarray  # int16, per channel
+    step: np.ndarray  # float32, per channel
+
+    @property
+    def streams(self) -> int:
+        return self.offsets.shape[0] - 1
+
+
+def parse(payload: bytes | memoryview, shape: tuple[int, int, int, int, int]) -> QuantBody:
     layers, _, heads, tokens, dim = shape
     rd = _Reader(memoryview(payload))
     groups, bank_id, n_exact, side_len = _PREFIX.unpack(rd.take(_PREFIX.size, "prefix"))
@@ -190,34 +212,53 @@ def decode(payload: bytes | memoryview, shape: tuple[int, int, int, int, int]) -
         raise CodecError("lossy payload has trailing bytes")
     if layers * 2 * heads * tokens * dim > MAX_VALUES:
         raise CodecError(f"chunk of {layers * 2 * heads * tokens * dim} values is over the decoder's limit")
-    if coded * cps > (int(lengths.min()) - 1) * 16 / bank().min_bits + 1:
+    shortest = int(lengths.min())
+    # Two words hold the final state, so every stream's first load is in bounds.
+    if shortest < 2:
+        raise CodecError("a stream is shorter than the rANS state")
+    if coded * cps > (shortest - 1) * 16 / bank().min_bits + 1:
         raise CodecError("a stream is too short for the symbols the header promises")
-    words = np.frombuffer(body, dtype="<u2")
     offsets = np.zeros(n_streams + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
+    return QuantBody(
+        groups=groups,
+        exact_tokens=n_exact,
+        exact=exact.reshape(layers * 2 * heads, n_exact, dim),
+        words=np.frombuffer(body, dtype="<u2"),
+        offsets=offsets,
+        family=family,
+        center=center,
+        step=STEP_TABLE[codes],
+    )
 
-    out = np.empty((layers * 2 * heads, tokens, dim), dtype=np.float32)
-    out[:, :n_exact] = exact.reshape(layers * 2 * heads, n_exact, dim)
-    status = np.zeros(n_streams, dtype=np.int32)
+
+def decode_into(q: QuantBody, out: np.ndarray) -> None:
+    """Reconstruct into ``out``, float32 (layers*2*heads, tokens, head_dim), any strides, on the CPU."""
+    out[:, : q.exact_tokens] = q.exact
+    status = np.zeros(q.streams, dtype=np.int32)
     b = bank()
     rans.decode_streams(
-        words,
-        offsets,
-        family.astype(np.int32),
-        center.astype(np.int32),
-        STEP_TABLE[codes],
+        q.words,
+        q.offsets,
+        q.family.astype(np.int32),
+        q.center.astype(np.int32),
+        q.step,
         b.cum,
         b.freq,
         b.slot_symbol,
-        coded,
-        cps,
-        n_exact,
+        out.shape[1] - q.exact_tokens,
+        out.shape[2] // q.groups,
+        q.exact_tokens,
         out,
         status,
     )
+    raise_for_status(status)
+
+
+def raise_for_status(status: np.ndarray, chunk: int = 0) -> None:
     bad = np.flatnonzero(status)
     if bad.size:
-        raise CodecError(
-            f"{bad.size} corrupt entropy-coded streams (first: stream {bad[0]}, error {status[bad[0]]})"
+        raise StreamError(
+            f"{bad.size} corrupt entropy-coded streams (first: stream {bad[0]}, error {status[bad[0]]})",
+            chunk,
         )
-    return torch.from_numpy(out.reshape(shape))
