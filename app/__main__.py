@@ -41,7 +41,12 @@ def serve(argv: list[str], prog: str) -> int:
     import uvicorn
 
     uvicorn.run(
-        app, host=args.host, port=args.port, log_level=settings.log_level, timeout_graceful_shutdown=5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=settings.log_level,
+        # SIGTERM: stop accepting, let running requests finish this long, then cancel them
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
     return 0
 
@@ -74,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             return encode_main(rest, prog=f"{prog} encode")
         if command == "calibrate":
             return calibrate(rest, prog)
+        if command == "gc":
+            from app.cli_gc import main as gc_main
+
+            return gc_main(rest, prog=f"{prog} gc")
         return serve(rest, prog)
     except KeyboardInterrupt:
         return 130

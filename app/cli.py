@@ -23,6 +23,7 @@ COMMANDS = {
     "serve": "run the OpenAI-compatible HTTP server (the default when no subcommand is given)",
     "encode": "pre-encode UTF-8 text files into the configured KV store",
     "calibrate": "measure a model's quality-level table (for CACHEGEN_LEVELS_FILE)",
+    "gc": "delete expired contexts and unreferenced chunks from the KV store; enforce its size cap",
 }
 SETTINGS_PRECEDENCE = "Flags win over CACHEGEN_* environment variables, which win over the TOML file."
 

@@ -17,12 +17,15 @@ from fastapi import FastAPI, Request
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.auth import ApiKeyAuth, ApiKeys
+from app.body_limit import BodyLimit
 from app.errors import error_response, install_error_handlers, to_api_error
 from app.gateway import Gateway, build_gateway
 from app.metrics import Metrics
 from app.readiness import Readiness
 from app.routes import package_version, router
 from app.settings import Settings
+from scheduler.lifecycle import CollectionTimer
 from scheduler.profile import save as save_profile
 
 REQUEST_ID_HEADER = b"x-request-id"
@@ -35,7 +38,12 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     """Build the app; the model loads here, before the server accepts requests."""
     settings = settings or Settings()
     configure_logging(settings.log_level, settings.log_format)
+    keys = ApiKeys(
+        settings.api_keys(), settings.shared_cache, settings.metrics_auth
+    )  # before the model loads
     gateway = gateway or build_gateway(settings)
+    interval = gateway.collect_interval_s
+    collection = None if interval is None else CollectionTimer(gateway.collect, interval)
     # its own thread: a probe queued behind a burst of chunk fetches on the I/O pool would time out
     # and take a busy gateway out of its load balancer
     probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="readiness")
@@ -43,7 +51,11 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         adopt_server_loggers()
+        if collection is not None:
+            collection.start()
         yield
+        if collection is not None:
+            collection.stop()
         gateway.admission.shutdown()
         gateway.loop.stop()
         if gateway.executor.write_back is not None:
@@ -67,6 +79,10 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     install_error_handlers(app)
     app.include_router(router)
 
+    # innermost first: a refused key or body is counted as an error, and carries the request id
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if keys.enabled:
+        app.add_middleware(ApiKeyAuth, keys=keys)
     app.add_middleware(ErrorCounter, metrics=gateway.metrics)
     if settings.cors_origins:
         # outside ErrorCounter, so its 500s carry the CORS headers too and a browser can read them

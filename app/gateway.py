@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ from scheduler.executor import RequestExecutor
 from scheduler.generation import Finished, GenerationJob, PrefixReport, PromptDone, TokenEvent
 from scheduler.geometry import KVGeometry
 from scheduler.kv_memory import KVMemory
+from scheduler.lifecycle import CollectReport, StoreCollector
 from scheduler.loader import KVRequest, PrefixLoader
 from scheduler.planner import TEXT
 from scheduler.prefix import make_fingerprint, weights_digest
@@ -105,6 +107,35 @@ class Gateway:
     table: LevelTable
     io_pool: ThreadPoolExecutor
     profile_file: Path  # the cost profile, written back at shutdown with what serving learned
+    collector: StoreCollector
+
+    def __post_init__(self) -> None:
+        self._collecting = threading.Lock()
+
+    def collect(self) -> CollectReport | None:
+        """One garbage collection and cap pass (blocking; None when one is already running)."""
+        if not self._collecting.acquire(blocking=False):
+            return None
+        try:
+            report = self.collector.collect()
+        finally:
+            self._collecting.release()
+        m = self.metrics
+        m.store_bytes.set(report.store_bytes)
+        m.contexts_expired.inc(report.expired_contexts)
+        m.gc_objects.inc(report.deleted_objects)
+        m.contexts_evicted.inc(len(report.evicted_contexts))
+        m.evicted_bytes.inc(report.evicted_bytes)
+        if report.deleted_objects or report.expired_contexts or report.evicted_contexts:
+            log.info("store collection: %s", report.as_dict())
+        return report
+
+    @property
+    def collect_interval_s(self) -> float | None:
+        """How often the gateway collects: the setting; with a cap and no setting, every 5 minutes."""
+        if self.settings.gc_interval_s is not None:
+            return self.settings.gc_interval_s
+        return 300.0 if self.settings.store_max_bytes is not None else None
 
     @property
     def levels(self) -> tuple[Level, ...]:
@@ -500,6 +531,7 @@ def build_gateway(settings: Settings) -> Gateway:
         table=table,
         profile_file=profile_file,
         io_pool=io_pool,
+        collector=StoreCollector(store, settings.gc_grace_s, settings.store_max_bytes),
     )
 
 

@@ -93,3 +93,21 @@ class Metrics:
             "cachegen:kv_memory_used_bytes", "KV memory reserved by requests in flight.", registry=r
         )
         self.waiting = Gauge("cachegen:num_requests_waiting", "Requests queued for the model.", registry=r)
+        # the store's lifecycle (scheduler/lifecycle.py): garbage collection and the size cap
+        self.store_bytes = Gauge(
+            "cachegen:store_bytes", "Bytes in the KV store, as of the last collection.", registry=r
+        )
+        self.contexts_expired = Counter(
+            "cachegen:contexts_expired", "Expired contexts deleted by the collector.", registry=r
+        )
+        self.gc_objects = Counter(
+            "cachegen:gc_deleted_objects",
+            "Objects of unreferenced chunks deleted by the collector.",
+            registry=r,
+        )
+        self.contexts_evicted = Counter(
+            "cachegen:store_evicted_contexts", "Contexts evicted to keep the store under its cap.", registry=r
+        )
+        self.evicted_bytes = Counter(
+            "cachegen:store_evicted_bytes", "Bytes freed by evicting contexts.", registry=r
+        )

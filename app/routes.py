@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app import serving_chat, serving_completions, serving_contexts, serving_tokens
+from app.auth import ANONYMOUS, Tenant
 from app.gateway import Gateway
 from app.protocol import ChatCompletionRequest, CompletionRequest, ContextRequest, now
 from app.readiness import Readiness
@@ -27,7 +28,13 @@ def _readiness(request: Request) -> Readiness:
     return request.app.state.readiness
 
 
+def _tenant(request: Request) -> Tenant:
+    """Set by ``ApiKeyAuth``; anonymous without API keys."""
+    return getattr(request.state, "tenant", ANONYMOUS)
+
+
 GatewayDep = Annotated[Gateway, Depends(_gateway)]
+TenantDep = Annotated[Tenant, Depends(_tenant)]
 ReadinessDep = Annotated[Readiness, Depends(_readiness)]
 
 router = APIRouter()
@@ -35,16 +42,18 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
-    body: ChatCompletionRequest, gateway: GatewayDep, http: Request
+    body: ChatCompletionRequest, gateway: GatewayDep, tenant: TenantDep, http: Request
 ) -> JSONResponse | StreamingResponse | Response:
-    return await serving_chat.chat_completion(gateway, body, http.is_disconnected)
+    space = tenant.key_space(body.cache_salt)
+    return await serving_chat.chat_completion(gateway, body, http.is_disconnected, space)
 
 
 @router.post("/v1/completions", response_model=None)
 async def completions(
-    body: CompletionRequest, gateway: GatewayDep, http: Request
+    body: CompletionRequest, gateway: GatewayDep, tenant: TenantDep, http: Request
 ) -> JSONResponse | StreamingResponse | Response:
-    return await serving_completions.completion(gateway, body, http.is_disconnected)
+    space = tenant.key_space(body.cache_salt)
+    return await serving_completions.completion(gateway, body, http.is_disconnected, space)
 
 
 @router.get("/v1/models")
@@ -64,23 +73,26 @@ async def models(gateway: GatewayDep) -> dict:
 
 
 @router.post("/contexts")
-async def create_context(body: ContextRequest, gateway: GatewayDep) -> dict:
-    return await serving_contexts.create_context(gateway, body)
+async def create_context(body: ContextRequest, gateway: GatewayDep, tenant: TenantDep) -> dict:
+    return await serving_contexts.create_context(gateway, body, tenant.key_space(body.cache_salt))
+
+
+# listing, reading and deleting are per tenant; a client's cache_salt only separates stored KV
 
 
 @router.get("/contexts")
-async def list_contexts(gateway: GatewayDep) -> dict:
-    return await serving_contexts.list_contexts(gateway)
+async def list_contexts(gateway: GatewayDep, tenant: TenantDep) -> dict:
+    return await serving_contexts.list_contexts(gateway, tenant.key_space(None))
 
 
 @router.get("/contexts/{context_id}")
-async def get_context(context_id: str, gateway: GatewayDep) -> dict:
-    return await serving_contexts.get_context(gateway, context_id)
+async def get_context(context_id: str, gateway: GatewayDep, tenant: TenantDep) -> dict:
+    return await serving_contexts.get_context(gateway, context_id, tenant.key_space(None))
 
 
 @router.delete("/contexts/{context_id}")
-async def delete_context(context_id: str, gateway: GatewayDep) -> dict:
-    return await serving_contexts.delete_context(gateway, context_id)
+async def delete_context(context_id: str, gateway: GatewayDep, tenant: TenantDep) -> dict:
+    return await serving_contexts.delete_context(gateway, context_id, tenant.key_space(None))
 
 
 @router.post("/tokenize")

@@ -23,10 +23,14 @@ from app.gateway import (
 from app.protocol import ChatCompletionRequest, new_id, now
 from app.sse import StreamFramer, merged, stream_response
 from scheduler.generation import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
+from scheduler.tenancy import PUBLIC, KeySpace
 
 
 async def chat_completion(
-    gateway: Gateway, request: ChatCompletionRequest, disconnected: Disconnected | None = None
+    gateway: Gateway,
+    request: ChatCompletionRequest,
+    disconnected: Disconnected | None = None,
+    space: KeySpace = PUBLIC,
 ) -> JSONResponse | StreamingResponse | Response:
     admitted = time.perf_counter()  # a kv_slo_ms budget counts tokenization too
     gateway.check_model(request.model)
@@ -35,7 +39,9 @@ async def chat_completion(
         raise InvalidRequest(refused[1], param=refused[0], code="unsupported_parameter")
     prompt_ids = gateway.chat_token_ids(request.messages, add_generation_prompt=True)
     top = (request.top_logprobs or 0) if request.logprobs else None
-    jobs = gateway.jobs(request, prompt_ids, request.requested_max_tokens(), admitted=admitted, logprobs=top)
+    jobs = gateway.jobs(
+        request, prompt_ids, request.requested_max_tokens(), admitted=admitted, logprobs=top, key_space=space
+    )
     if request.stream:
         # admitted here, so a 429 is the response's status, not an error inside a 200 stream
         chunks = _stream(gateway, jobs, request.include_usage, gateway.admit_all(jobs))

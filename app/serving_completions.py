@@ -23,6 +23,7 @@ from app.gateway import (
 from app.protocol import CompletionRequest, new_id, now
 from app.sse import StreamFramer, merged, stream_response
 from scheduler.generation import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
+from scheduler.tenancy import PUBLIC, KeySpace
 
 
 def _prompt_ids(gateway: Gateway, request: CompletionRequest) -> list[int]:
@@ -63,7 +64,10 @@ def _prompt_text(gateway: Gateway, request: CompletionRequest, job: GenerationJo
 
 
 async def completion(
-    gateway: Gateway, request: CompletionRequest, disconnected: Disconnected | None = None
+    gateway: Gateway,
+    request: CompletionRequest,
+    disconnected: Disconnected | None = None,
+    space: KeySpace = PUBLIC,
 ) -> JSONResponse | StreamingResponse | Response:
     admitted = time.perf_counter()  # a kv_slo_ms budget counts tokenization too
     gateway.check_model(request.model)
@@ -74,6 +78,7 @@ async def completion(
         admitted=admitted,
         prompt_logprobs=request.logprobs if request.echo else None,
         logprobs=request.logprobs,
+        key_space=space,
     )
     if request.stream:
         return stream_response(

@@ -10,6 +10,7 @@ from app.gateway import Gateway
 from app.protocol import ContextRequest
 from codec import Level
 from scheduler.manifest import Manifest
+from scheduler.tenancy import PUBLIC, KeySpace
 
 
 def context_object(manifest: Manifest) -> dict[str, Any]:
@@ -24,6 +25,7 @@ def context_object(manifest: Manifest) -> dict[str, Any]:
         "chunk_size": manifest.chunk_size,
         "bytes": dict(manifest.level_bytes),
         "encode_seconds": manifest.encode_seconds,
+        "expires_at": manifest.expires,  # Unix time; null: pinned
     }
     warning = unstored_warning(manifest.tokens, manifest.cached_tokens, manifest.chunk_size)
     if warning is not None:
@@ -63,7 +65,9 @@ def context_token_ids(gateway: Gateway, request: ContextRequest) -> list[int]:
     return list(request.prompt_token_ids)
 
 
-def encode_tokens(gateway: Gateway, token_ids: list[int], levels: list[Level]) -> Manifest:
+def encode_tokens(
+    gateway: Gateway, token_ids: list[int], levels: list[Level], space: KeySpace, ttl_seconds: int | None
+) -> Manifest:
     """Prefill on the step loop, as background work in chunks, then encode and store here.
 
     Runs on a prepare thread: the model thread only sees the prefill chunks, so
@@ -76,14 +80,20 @@ def encode_tokens(gateway: Gateway, token_ids: list[int], levels: list[Level]) -
         kv = gateway.runner.new_kv(len(token_ids))
         gateway.loop.prefill(kv, 0, token_ids, background=True)
         compute_seconds = time.perf_counter() - started
-        manifest = gateway.contexts.save(token_ids, kv, levels, compute_seconds=compute_seconds)
+        manifest = gateway.contexts.save(
+            token_ids, kv, levels, compute_seconds=compute_seconds, space=space, ttl_seconds=ttl_seconds
+        )
     finally:
         gateway.memory.release(nbytes)
     gateway.metrics.contexts_encoded.inc()
+    if gateway.settings.store_max_bytes is not None:
+        gateway.collect()  # the new context may take the store over its cap
     return manifest
 
 
-async def create_context(gateway: Gateway, request: ContextRequest) -> dict[str, Any]:
+async def create_context(
+    gateway: Gateway, request: ContextRequest, space: KeySpace = PUBLIC
+) -> dict[str, Any]:
     gateway.check_model(request.model)
     gateway.warn_ignored(request.ignored_fields())
     levels = gateway.encode_levels(request.levels)
@@ -98,23 +108,25 @@ async def create_context(gateway: Gateway, request: ContextRequest) -> dict[str,
             code="context_too_short",
         )
     # a store that cannot answer fails the request now, not after a long prefill
-    await _io(gateway, gateway.contexts.exists, gateway.contexts.context_id(token_ids))
-    manifest = await gateway.admission.call(encode_tokens, gateway, token_ids, levels)
+    await _io(gateway, gateway.contexts.exists, gateway.contexts.context_id(token_ids, space))
+    manifest = await gateway.admission.call(
+        encode_tokens, gateway, token_ids, levels, space, request.ttl_seconds
+    )
     return context_object(manifest)
 
 
-async def get_context(gateway: Gateway, context_id: str) -> dict[str, Any]:
-    manifest = await _io(gateway, gateway.contexts.get, context_id)
+async def get_context(gateway: Gateway, context_id: str, space: KeySpace = PUBLIC) -> dict[str, Any]:
+    manifest = await _io(gateway, gateway.contexts.get, context_id, space)
     return context_object(manifest)
 
 
-async def list_contexts(gateway: Gateway) -> dict[str, Any]:
-    manifests = await _io(gateway, gateway.contexts.list)
+async def list_contexts(gateway: Gateway, space: KeySpace = PUBLIC) -> dict[str, Any]:
+    manifests = await _io(gateway, gateway.contexts.list, space)
     return {"object": "list", "data": [context_object(m) for m in manifests]}
 
 
-async def delete_context(gateway: Gateway, context_id: str) -> dict[str, Any]:
-    manifest = await _io(gateway, gateway.contexts.delete, context_id)
+async def delete_context(gateway: Gateway, context_id: str, space: KeySpace = PUBLIC) -> dict[str, Any]:
+    manifest = await _io(gateway, gateway.contexts.delete, context_id, space)
     return {"id": manifest.id, "object": "context.deleted", "deleted": True}
 
 

@@ -2,15 +2,22 @@
 
 The manifest is written last, so a context whose upload was interrupted is
 never listed; its orphaned chunks still serve as a prefix cache once the
-index lists them.
+index lists them, until garbage collection's grace period has passed
+(scheduler/lifecycle.py).
+
+Contexts belong to a tenant (``KeySpace.tenant``): another tenant's context
+is not listed, and reading or deleting it answers as if it did not exist. An
+expired context (``ttl_seconds``) is neither served, listed nor readable; the
+collector deletes it.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -28,10 +35,16 @@ from scheduler.layout import (
     context_id_from_manifest_key,
     index_key,
     manifest_key,
+    used_key,
 )
 from scheduler.manifest import Manifest
 from scheduler.prefix import CONTEXT_ID_PATTERN, Fingerprint, chunk_keys, context_id, tail_key
-from storage import ObjectNotFound, ObjectStore
+from scheduler.tenancy import PUBLIC, KeySpace
+from storage import ObjectNotFound, ObjectStore, StorageError
+
+# A prefix's recency marker is rewritten at most this often by one gateway: eviction needs the
+# order of use to within minutes, not a write per request.
+TOUCH_INTERVAL_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +75,14 @@ class ContextStore:
         self.model_name = model_name
         self.chunk_size = chunk_size
         self.pool = pool
+        self._touched: dict[str, float] = {}  # first chunk key -> when this process last marked it
+        self._touch_lock = threading.Lock()
 
-    def context_id(self, token_ids: Sequence[int]) -> str:
-        return context_id(self.fingerprint, token_ids)
+    def context_id(self, token_ids: Sequence[int], space: KeySpace = PUBLIC) -> str:
+        return context_id(self.fingerprint, token_ids, space.salt)
 
-    def keys(self, token_ids: Sequence[int]) -> list[str]:
-        return chunk_keys(self.fingerprint, token_ids, self.chunk_size)
+    def keys(self, token_ids: Sequence[int], space: KeySpace = PUBLIC) -> list[str]:
+        return chunk_keys(self.fingerprint, token_ids, self.chunk_size, space.salt)
 
     def tail(self, token_ids: Sequence[int], keys: Sequence[str]) -> Tail | None:
         """The tokens after the last full chunk, when there is a full chunk to hang them on."""
@@ -83,9 +98,11 @@ class ContextStore:
         levels: Sequence[Level],
         first: int = 0,
         tail: Tail | None = None,
+        expires: int | None = None,
     ) -> dict[str, int]:
         """Encode and store chunks ``first..len(keys)`` of ``kv`` (which starts at chunk 0), and
-        ``tail``; then add them to the prefix index. Returns the bytes written per level."""
+        ``tail``; then add them to the prefix index, live until ``expires`` (None: no limit).
+        Returns the bytes written per level."""
         level_bytes = {level.name: 0 for level in levels}
         pieces = [(keys[i], i * self.chunk_size, self.chunk_size) for i in range(first, len(keys))]
         if tail is not None:
@@ -109,30 +126,22 @@ class ContextStore:
             entries = PrefixIndex(
                 fingerprint=self.fingerprint.hex,
                 chunk_size=self.chunk_size,
-                chunks={k: ChunkEntry(objects=written[k]) for k in keys[first:] if k in written},
+                chunks={
+                    k: ChunkEntry(objects=written[k], expires=expires) for k in keys[first:] if k in written
+                },
                 tails={}
                 if tail is None or tail.key not in written
-                else {tail.key: TailEntry(objects=written[tail.key], parent=keys[-1], tokens=tail.tokens)},
+                else {
+                    tail.key: TailEntry(
+                        objects=written[tail.key], parent=keys[-1], tokens=tail.tokens, expires=expires
+                    )
+                },
             )
             self._update_index(keys[0], lambda index: index.merged(entries))
         return level_bytes
 
-    def _update_index(self, first_key: str, change) -> None:
-        """Read, change and write the index under ``first_key`` (a missing or bad one starts empty)."""
-        key = index_key(first_key)
-        try:
-            index = PrefixIndex.from_bytes(self.store.get(key))
-            if index.fingerprint != self.fingerprint.hex or index.chunk_size != self.chunk_size:
-                raise PrefixIndexError("index of another model or chunk size")
-        except (ObjectNotFound, PrefixIndexError) as exc:
-            if not isinstance(exc, ObjectNotFound):
-                log.warning("replacing unreadable prefix index %s: %s", key, exc)
-            index = PrefixIndex(fingerprint=self.fingerprint.hex, chunk_size=self.chunk_size)
-        index = change(index)
-        if index.empty:
-            self.store.delete(key)
-        else:
-            self.store.put(key, index.to_bytes())
+    def _update_index(self, first_key: str, change: Callable[[PrefixIndex], PrefixIndex]) -> None:
+        update_index(self.store, first_key, self.fingerprint.hex, self.chunk_size, change)
 
     def save(
         self,
@@ -140,14 +149,20 @@ class ContextStore:
         kv: torch.Tensor,
         levels: Sequence[Level],
         compute_seconds: float,
+        space: KeySpace = PUBLIC,
+        ttl_seconds: int | None = None,
     ) -> Manifest:
-        """Encode and store each full chunk of ``kv`` and its tail at each level; the manifest goes last."""
+        """Encode and store each full chunk of ``kv`` and its tail at each level; the manifest goes last.
+
+        With ``ttl_seconds`` the context expires that long after this call; without, it is pinned."""
         started = time.perf_counter()
-        keys = self.keys(token_ids)
+        created = int(time.time())
+        expires = None if ttl_seconds is None else created + ttl_seconds
+        keys = self.keys(token_ids, space)
         tail = self.tail(token_ids, keys)
-        level_bytes = self.save_chunks(keys, kv, levels, tail=tail)
+        level_bytes = self.save_chunks(keys, kv, levels, tail=tail, expires=expires)
         manifest = Manifest(
-            id=self.context_id(token_ids),
+            id=self.context_id(token_ids, space),
             model=self.model_name,
             fingerprint=self.fingerprint.hex,
             chunk_size=self.chunk_size,
@@ -156,8 +171,10 @@ class ContextStore:
             tail_key=None if tail is None else tail.key,
             tail_tokens=0 if tail is None else tail.tokens,
             level_bytes=level_bytes,
-            created=int(time.time()),
+            created=created,
             encode_seconds=round(compute_seconds + time.perf_counter() - started, 4),
+            tenant=space.tenant,
+            expires=expires,
         )
         self.store.put(manifest_key(manifest.id), manifest.to_bytes())
         return manifest
@@ -166,44 +183,126 @@ class ContextStore:
         """Whether the manifest is stored (raises StorageError when the store cannot say)."""
         return self.store.head(manifest_key(ctx_id)) is not None
 
-    def get(self, ctx_id: str) -> Manifest:
+    def get(self, ctx_id: str, space: KeySpace = PUBLIC) -> Manifest:
+        """The context, when it is ``space``'s tenant's and has not expired; else ContextNotFound."""
         if not re.fullmatch(CONTEXT_ID_PATTERN, ctx_id):
             raise ContextNotFound(ctx_id)
         try:
             data = self.store.get(manifest_key(ctx_id))
         except ObjectNotFound:
             raise ContextNotFound(ctx_id) from None
-        return Manifest.from_bytes(data)
+        manifest = Manifest.from_bytes(data)
+        if manifest.tenant != space.tenant or manifest.expired(time.time()):
+            raise ContextNotFound(ctx_id)  # the same answer as for an id never stored
+        return manifest
 
-    def list(self) -> list[Manifest]:
-        """This model's contexts; other models' and unreadable manifests are skipped."""
-        manifests = []
-        for info in self.store.list(MANIFEST_PREFIX):
-            if context_id_from_manifest_key(info.key) is None:
-                continue
-            try:
-                manifest = Manifest.from_bytes(self.store.get(info.key))
-            except (ObjectNotFound, ManifestError) as exc:
-                log.warning("skipping manifest %s: %s", info.key, exc)
-                continue
-            if manifest.fingerprint == self.fingerprint.hex:
-                manifests.append(manifest)
+    def manifests(self) -> list[Manifest]:
+        return read_manifests(self.store)
+
+    def list(self, space: KeySpace = PUBLIC) -> list[Manifest]:
+        """This model's live contexts of ``space``'s tenant."""
+        now = time.time()
+        manifests = [
+            m
+            for m in self.manifests()
+            if m.fingerprint == self.fingerprint.hex and m.tenant == space.tenant and not m.expired(now)
+        ]
         return sorted(manifests, key=lambda m: (m.created, m.id))
 
-    def delete(self, ctx_id: str) -> Manifest:
-        """Remove the context, and those of its chunks no other context uses.
-
-        The manifest goes first, so the context disappears at once; then the
-        index forgets the doomed chunks (so no reader plans with them), then
-        their objects go. Chunks a shared prefix still needs are kept.
-        """
-        manifest = self.get(ctx_id)
-        self.store.delete(manifest_key(ctx_id))
-        still_used = {key for other in self.list() for key in other.stored_keys}
-        doomed = {key for key in manifest.stored_keys if key not in still_used}
-        if doomed and manifest.chunk_keys:
-            self._update_index(manifest.chunk_keys[0], lambda index: index.without(doomed))
-        objects = [info.key for key in sorted(doomed) for info in self.store.list(chunk_dir(key))]
-        for future in [self.pool.submit(self.store.delete, key) for key in objects]:
-            future.result()
+    def delete(self, ctx_id: str, space: KeySpace = PUBLIC) -> Manifest:
+        manifest = self.get(ctx_id, space)
+        self.remove(manifest)
         return manifest
+
+    def remove(self, manifest: Manifest) -> int:
+        return remove_context(self.store, manifest, self.pool)
+
+    def touch(self, first_key: str) -> None:
+        """Mark the prefix that starts at ``first_key`` as used now (eviction is least recently used
+        first); at most once per ``TOUCH_INTERVAL_S`` per prefix per process. Best effort."""
+        now = time.monotonic()
+        with self._touch_lock:
+            if now - self._touched.get(first_key, -TOUCH_INTERVAL_S) < TOUCH_INTERVAL_S:
+                return
+            self._touched[first_key] = now
+            if len(self._touched) > 65536:  # forget the oldest half: a bound, not a cache
+                for key in sorted(self._touched, key=self._touched.get)[:32768]:
+                    del self._touched[key]
+        try:
+            self.store.put(used_key(first_key), b"")
+        except StorageError as exc:
+            log.warning("could not mark prefix %s as used: %s", first_key[:16], exc)
+
+
+# -- on the store alone (the collector runs these without a model) ---------------------------------
+
+
+def update_index(
+    store: ObjectStore,
+    first_key: str,
+    fingerprint: str,
+    chunk_size: int,
+    change: Callable[[PrefixIndex], PrefixIndex],
+) -> None:
+    """Read, change and write the index under ``first_key`` (a missing or bad one starts empty)."""
+    key = index_key(first_key)
+    try:
+        index = PrefixIndex.from_bytes(store.get(key))
+        if index.fingerprint != fingerprint or index.chunk_size != chunk_size:
+            raise PrefixIndexError("index of another model or chunk size")
+    except (ObjectNotFound, PrefixIndexError) as exc:
+        if not isinstance(exc, ObjectNotFound):
+            log.warning("replacing unreadable prefix index %s: %s", key, exc)
+        index = PrefixIndex(fingerprint=fingerprint, chunk_size=chunk_size)
+    index = change(index)
+    if index.empty:
+        store.delete(key)
+    else:
+        store.put(key, index.to_bytes())
+
+
+def read_manifests(store: ObjectStore) -> list[Manifest]:
+    """Every readable manifest in the store: all models and tenants, expired or not."""
+    found = []
+    for info in store.list(MANIFEST_PREFIX):
+        if context_id_from_manifest_key(info.key) is None:
+            continue
+        try:
+            found.append(Manifest.from_bytes(store.get(info.key)))
+        except (ObjectNotFound, ManifestError) as exc:
+            log.warning("skipping manifest %s: %s", info.key, exc)
+    return found
+
+
+def remove_context(store: ObjectStore, manifest: Manifest, pool: ThreadPoolExecutor | None = None) -> int:
+    """Remove a context, and those of its chunks no other live context uses; returns the bytes freed.
+
+    The manifest goes first, so the context disappears at once; then the
+    index forgets the doomed chunks (so no reader plans with them), then
+    their objects go. Chunks a shared prefix still needs are kept.
+    """
+    store.delete(manifest_key(manifest.id))
+    now = time.time()
+    still_used = {
+        key
+        for other in read_manifests(store)
+        if other.id != manifest.id and not other.expired(now)
+        for key in other.stored_keys
+    }
+    doomed = {key for key in manifest.stored_keys if key not in still_used}
+    if doomed and manifest.chunk_keys:
+        update_index(
+            store,
+            manifest.chunk_keys[0],
+            manifest.fingerprint,
+            manifest.chunk_size,
+            lambda i: i.without(doomed),
+        )
+    objects = [info for key in sorted(doomed) for info in store.list(chunk_dir(key))]
+    if pool is None:
+        for info in objects:
+            store.delete(info.key)
+    else:
+        for future in [pool.submit(store.delete, info.key) for info in objects]:
+            future.result()
+    return sum(info.size for info in objects)

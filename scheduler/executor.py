@@ -75,7 +75,7 @@ class RequestExecutor:
             t0 = time.perf_counter()
             kv = self.runner.new_kv(job.capacity)
             # the last prompt token is always recomputed: its logits give the first output token
-            keys = self.contexts.keys(job.prompt_ids[:-1]) if job.kv is not None else []
+            keys = self.contexts.keys(job.prompt_ids[:-1], job.key_space) if job.kv is not None else []
             load = self._load_prefix(job, keys, LoopTarget(kv, self.loop, cancel), cancel)
             budget = job.kv.budget_s if job.kv is not None else None
             report = PrefixReport(
@@ -105,6 +105,8 @@ class RequestExecutor:
         finally:
             if not handed:
                 self.memory.release(nbytes)
+        if load.stored_tokens:
+            self.contexts.touch(keys[0])  # after the hand-off: the request does not wait for it
 
     def _load_prefix(
         self, job: GenerationJob, keys: list[str], target: LoopTarget, cancel: threading.Event

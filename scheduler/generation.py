@@ -24,6 +24,7 @@ from engine.detokenize import IncrementalText
 from engine.ragged import Segment
 from engine.sampling import SamplingParams, TokenHistory, adjust_logits, make_generator, sample_next
 from scheduler.loader import ChunkReport, KVRequest
+from scheduler.tenancy import PUBLIC, KeySpace
 
 
 @dataclass
@@ -38,6 +39,7 @@ class GenerationJob:
     # when the request arrived (time.perf_counter): a kv_slo_ms budget counts from here, so
     # tokenization and waiting for memory and the model count against it
     admitted: float = field(default_factory=time.perf_counter)
+    key_space: KeySpace = PUBLIC  # whose stored KV it reads and writes back
 
     @property
     def capacity(self) -> int:

@@ -35,11 +35,16 @@ class StoredObject(BaseModel):
 
 
 class ChunkEntry(BaseModel):
-    """A full chunk: its objects by level name."""
+    """A full chunk: its objects by level name, and until when readers may use it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     objects: dict[str, StoredObject]
+    # Unix time: the latest expiry of the contexts that stored it; None: pinned, or written back
+    expires: int | None = None
+
+    def live(self, now: float) -> bool:
+        return self.expires is None or now < self.expires
 
     @model_validator(mode="after")
     def _names(self) -> ChunkEntry:
@@ -98,18 +103,32 @@ class PrefixIndex(BaseModel):
             raise PrefixIndexError(f"invalid prefix index: {exc.errors()[0]['msg']}") from exc
 
     def merged(self, other: PrefixIndex) -> PrefixIndex:
-        """This index with ``other``'s entries added (an entry's objects are united per level)."""
+        """This index with ``other``'s entries added (an entry's objects are united per level, and it
+        lives as long as the longer-lived of the two)."""
+
+        def union(old: ChunkEntry | None, new: ChunkEntry) -> ChunkEntry:
+            if old is None:
+                return new
+            return new.model_copy(
+                update={"objects": {**old.objects, **new.objects}, "expires": later(old.expires, new.expires)}
+            )
+
         chunks = dict(self.chunks)
         for key, entry in other.chunks.items():
-            old = chunks.get(key)
-            chunks[key] = entry if old is None else ChunkEntry(objects={**old.objects, **entry.objects})
+            chunks[key] = union(chunks.get(key), entry)
         tails = dict(self.tails)
         for key, tail in other.tails.items():
-            old = tails.get(key)
-            tails[key] = (
-                tail if old is None else tail.model_copy(update={"objects": {**old.objects, **tail.objects}})
-            )
+            tails[key] = union(tails.get(key), tail)  # type: ignore[assignment]
         return self.model_copy(update={"chunks": chunks, "tails": tails})
+
+    def with_expiry(self, expires: dict[str, int | None]) -> PrefixIndex:
+        """This index with the entries in ``expires`` living until the given times."""
+        return self.model_copy(
+            update={
+                "chunks": {k: _expiring(k, v, expires) for k, v in self.chunks.items()},
+                "tails": {k: _expiring(k, v, expires) for k, v in self.tails.items()},
+            }
+        )
 
     def without(self, keys: set[str]) -> PrefixIndex:
         """This index less the chunks and tails in ``keys``, and tails whose parent is gone."""
@@ -120,3 +139,14 @@ class PrefixIndex(BaseModel):
     @property
     def empty(self) -> bool:
         return not self.chunks and not self.tails
+
+
+def later(a: int | None, b: int | None) -> int | None:
+    """The later of two expiries, where None (never) is the latest."""
+    return None if a is None or b is None else max(a, b)
+
+
+def _expiring(key: str, entry: ChunkEntry, expires: dict[str, int | None]) -> ChunkEntry:
+    if key not in expires or expires[key] == entry.expires:
+        return entry
+    return entry.model_copy(update={"expires": expires[key]})

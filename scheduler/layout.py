@@ -2,6 +2,8 @@
 
     kv/<chunk key>/<level>.<level digest>   one encoded chunk (or context tail) at one level
     kv/<first chunk key>/index.json         what is stored under that first chunk (sizes per level)
+    kv/<first chunk key>/used               empty; its write time is when a request last loaded
+                                            a prefix that starts there (eviction's recency)
     contexts/<context id>.json              a pre-encoded context's manifest, written last
 
 One object per (chunk, level) lets a reader fetch exactly the level it picked
@@ -17,6 +19,7 @@ CHUNK_PREFIX = "kv/"
 MANIFEST_PREFIX = "contexts/"
 _MANIFEST_SUFFIX = ".json"
 INDEX_NAME = "index.json"
+USED_NAME = "used"
 
 
 def object_name(level: str, digest: str) -> str:
@@ -35,6 +38,18 @@ def chunk_dir(chunk_key: str) -> str:
 
 def index_key(first_chunk_key: str) -> str:
     return f"{CHUNK_PREFIX}{first_chunk_key}/{INDEX_NAME}"
+
+
+def used_key(first_chunk_key: str) -> str:
+    return f"{CHUNK_PREFIX}{first_chunk_key}/{USED_NAME}"
+
+
+def chunk_key_of(object_key: str) -> str | None:
+    """The chunk key whose directory ``object_key`` is in (``kv/<chunk key>/...``)."""
+    if not object_key.startswith(CHUNK_PREFIX):
+        return None
+    key, sep, _ = object_key[len(CHUNK_PREFIX) :].partition("/")
+    return key if sep else None
 
 
 def manifest_key(context_id: str) -> str:

@@ -6,8 +6,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scheduler.errors import ManifestError
 from scheduler.prefix import CONTEXT_ID_PATTERN
+from scheduler.tenancy import TENANT_ID_PATTERN
 
-MANIFEST_VERSION = 2  # 2: the context's tail is stored too
+MANIFEST_VERSION = 3  # 2: the context's tail is stored too; 3: tenant and expiry
 
 _HEX64 = r"^[0-9a-f]{64}$"
 
@@ -27,6 +28,11 @@ class Manifest(BaseModel):
     level_bytes: dict[str, int]  # level name -> bytes stored for all chunks at that level
     created: int
     encode_seconds: float = Field(ge=0)
+    tenant: str | None = Field(None, pattern=TENANT_ID_PATTERN)  # owner; None: no tenants
+    expires: int | None = None  # Unix time after which the context is gone; None: pinned
+
+    def expired(self, now: float) -> bool:
+        return self.expires is not None and now >= self.expires
 
     @property
     def cached_tokens(self) -> int:

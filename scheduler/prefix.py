@@ -5,6 +5,10 @@ a fingerprint of everything that decides what the KV bytes are: the model's
 weights and config, the tokenizer's vocabulary, the chunk size, and the
 storage format version. Nothing process-specific (Python's ``hash``, object
 ids, paths) goes in, so every process on every machine derives the same keys.
+
+A salt (``KeySpace``, scheduler/tenancy.py) is mixed into the root: chains of
+different salts share no key, so a request never reads, or learns of, KV
+stored under another salt. Unsalted chains keep the fingerprint as their root.
 """
 
 from __future__ import annotations
@@ -74,10 +78,18 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
     return np.asarray(tokens, dtype="<u4").tobytes()
 
 
-def chunk_keys(fingerprint: Fingerprint, token_ids: Sequence[int], chunk_size: int) -> list[str]:
+def chain_root(fingerprint: Fingerprint, salt: bytes | None) -> bytes:
+    if salt is None:
+        return fingerprint.digest
+    return hashlib.sha256(fingerprint.digest + b"salt" + salt).digest()
+
+
+def chunk_keys(
+    fingerprint: Fingerprint, token_ids: Sequence[int], chunk_size: int, salt: bytes | None = None
+) -> list[str]:
     """Keys of every *full* chunk of ``token_ids``, in order."""
     keys: list[str] = []
-    previous = fingerprint.digest
+    previous = chain_root(fingerprint, salt)
     for start in range(0, len(token_ids) - chunk_size + 1, chunk_size):
         previous = hashlib.sha256(previous + _token_bytes(token_ids[start : start + chunk_size])).digest()
         keys.append(previous.hex())
@@ -95,7 +107,8 @@ def tail_key(parent: str, tail_tokens: Sequence[int]) -> str:
 CONTEXT_ID_PATTERN = r"^ctx-[0-9a-f]{32}$"
 
 
-def context_id(fingerprint: Fingerprint, token_ids: Sequence[int]) -> str:
-    """Same model and same tokens give the same id, in any process."""
-    digest = hashlib.sha256(fingerprint.digest + b"context" + _token_bytes(token_ids)).hexdigest()
+def context_id(fingerprint: Fingerprint, token_ids: Sequence[int], salt: bytes | None = None) -> str:
+    """Same model, salt and tokens give the same id, in any process."""
+    root = chain_root(fingerprint, salt)
+    digest = hashlib.sha256(root + b"context" + _token_bytes(token_ids)).hexdigest()
     return f"ctx-{digest[:32]}"

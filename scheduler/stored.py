@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -14,6 +15,10 @@ from scheduler.prefix import Fingerprint, tail_key
 from storage import ObjectNotFound, ObjectStore, StorageError
 
 log = logging.getLogger(__name__)
+
+# How old a cached copy of a prefix index may be: a context deleted or collected by another
+# gateway stops being planned with after this long (this gateway's own deletes: at once).
+INDEX_MAX_AGE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -56,8 +61,9 @@ def find_stored_prefix(
     found = StoredPrefix()
     if not keys or not levels:
         return found
+    now = time.time()
     try:
-        index = PrefixIndex.from_bytes(store.get(index_key(keys[0])))
+        index = PrefixIndex.from_bytes(store.get_fresh(index_key(keys[0]), INDEX_MAX_AGE_S))
     except ObjectNotFound:
         return found
     except StorageError as exc:
@@ -76,14 +82,18 @@ def find_stored_prefix(
     entries: list[tuple[str, int, int, ChunkEntry, bool]] = []
     for i, key in enumerate(keys):
         entry = index.chunks.get(key)
-        if entry is None or not _usable(entry, digests):
+        if entry is None or not _usable(entry, digests, now):
             break
         entries.append((key, i * chunk_size, chunk_size, entry, False))
     if entries:
         parent, start = entries[-1][0], entries[-1][1] + chunk_size
         best = None
         for key, tail in index.tails.items():
-            if tail.parent != parent or start + tail.tokens > len(token_ids) or not _usable(tail, digests):
+            if (
+                tail.parent != parent
+                or start + tail.tokens > len(token_ids)
+                or not _usable(tail, digests, now)
+            ):
                 continue
             if (best is None or tail.tokens > best[2]) and tail_key(
                 parent, token_ids[start : start + tail.tokens]
@@ -115,5 +125,6 @@ def find_stored_prefix(
     return found
 
 
-def _usable(entry: ChunkEntry, digests: dict[str, str]) -> bool:
-    return any(digests.get(name) == obj.digest for name, obj in entry.objects.items())
+def _usable(entry: ChunkEntry, digests: dict[str, str], now: float) -> bool:
+    """Live (no expired context's alone), and stored at a level this gateway reads."""
+    return entry.live(now) and any(digests.get(name) == obj.digest for name, obj in entry.objects.items())
