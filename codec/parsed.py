@@ -96,7 +96,7 @@ def parse_chunk(data: bytes | memoryview) -> ParsedChunk:
     elif scheme is Scheme.ZSTD:
         body = DenseBody(lossless.zstd_decode(payload, dtype, header.shape))
     elif scheme is Scheme.QUANT:
-        body = quantized.parse(payload, header.shape)
+        body = quantized.parse(payload, header.shape, header.version)
     elif scheme is Scheme.INT8:
         body = int8.parse(payload, header.shape)
     else:  # pragma: no cover - every scheme is handled above

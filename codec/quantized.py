@@ -34,13 +34,22 @@ STEP_TABLE = (2.0 ** ((np.arange(STEP_CODES, dtype=np.float64) - 128.0) / 8.0)).
 # Steps are chosen so that |q| stays below this, which keeps every residual within int16.
 _MAX_LEVEL = 15000
 BANK_ID = 1
-_PREFIX = struct.Struct("<BBHI")  # groups, bank id, exact tokens, side-info length
+# groups, bank id, exact tokens, exact tokens' dtype code (format 4 on), side-info length
+_PREFIX = struct.Struct("<BBHBI")
+_PREFIX_V3 = struct.Struct("<BBHI")
+# Exact tokens are float16 unless a value would overflow it (dtype codes of codec/dtypes.py).
+_EXACT_DTYPES = {1: "<f2", 0: "<f4"}
 # Side info (step codes, table indices, centres) is a tenth of a medium chunk; zstd takes
 # about 60% of it off, in about a millisecond.
 _SIDE_ZSTD_LEVEL = 9
 # A forged header must not make the decoder allocate without bound: a chunk is
 # a few million values, and a 16-bit word can hold at most this many symbols.
 MAX_VALUES = 1 << 27
+# Entropy streams per (layer, k/v, head) that levels use unless their table says otherwise.
+# More groups are more, shorter streams: more parallel work for a GPU decoder, a few more bytes
+# (each stream carries a 4-byte length and a 4-byte final state). benchmarks/gpu_decode.py
+# measures 2 against 8; the format takes any divisor of head_dim (stored per chunk).
+DEFAULT_GROUPS = 2
 
 
 @dataclass(frozen=True)
@@ -51,7 +60,7 @@ class QuantParams:
     value_step: tuple[float, ...]  # per layer (or one): fraction of the head's RMS in the chunk
     key_channel_rms: np.ndarray | None = None  # (layers, kv_heads, head_dim), calibrated per model
     exact_tokens: int = 1
-    groups: int = 2  # streams per (layer, k/v, head)
+    groups: int = DEFAULT_GROUPS  # streams per (layer, k/v, head)
 
     def __hash__(self) -> int:  # ndarray fields: hash by identity, levels are compared by name
         return id(self)
@@ -120,14 +129,25 @@ def encode(kv: torch.Tensor, p: QuantParams) -> bytes:
     rans.encode_streams(symbols, escapes, family, b.cum, b.freq, coded, cps, out, lengths)
 
     side = _pack_side(codes.reshape(-1), family, center)
+    exact_code = _exact_dtype_code(exact)
     parts = [
-        _PREFIX.pack(p.groups, BANK_ID, n_exact, len(side)),
+        _PREFIX.pack(p.groups, BANK_ID, n_exact, exact_code, len(side)),
         side,
-        exact.astype("<f2").tobytes(),
+        exact.astype(_EXACT_DTYPES[exact_code]).tobytes(),
         lengths.astype("<u4").tobytes(),
     ]
     parts.extend(out[s, : lengths[s]].astype("<u2").tobytes() for s in range(n_streams))
     return b"".join(parts)
+
+
+def _exact_dtype_code(exact: np.ndarray) -> int:
+    """float16 (1) unless a value is beyond its range or rounds to its infinity: then float32 (0).
+
+    An attention sink's key can be large; stored as an fp16 infinity it would poison every
+    attention score that reads it.
+    """
+    with np.errstate(over="ignore"):
+        return 1 if np.isfinite(exact.astype(np.float16)).all() else 0
 
 
 def _pack_side(codes: np.ndarray, family: np.ndarray, center: np.ndarray) -> bytes:
@@ -171,7 +191,7 @@ class QuantBody:
 
     groups: int
     exact_tokens: int
-    exact: np.ndarray  # (layers*2*heads, exact_tokens, head_dim), float16 (or float32, below)
+    exact: np.ndarray  # (layers*2*heads, exact_tokens, head_dim), float16 or float32
     words: np.ndarray  # uint16
     offsets: np.ndarray  # int64, streams + 1
     family: np.ndarray  # uint8, per channel
@@ -183,10 +203,16 @@ class QuantBody:
         return self.offsets.shape[0] - 1
 
 
-def parse(payload: bytes | memoryview, shape: tuple[int, int, int, int, int]) -> QuantBody:
+def parse(payload: bytes | memoryview, shape: tuple[int, int, int, int, int], version: int) -> QuantBody:
     layers, _, heads, tokens, dim = shape
     rd = _Reader(memoryview(payload))
-    groups, bank_id, n_exact, side_len = _PREFIX.unpack(rd.take(_PREFIX.size, "prefix"))
+    if version >= 4:
+        groups, bank_id, n_exact, exact_code, side_len = _PREFIX.unpack(rd.take(_PREFIX.size, "prefix"))
+        if exact_code not in _EXACT_DTYPES:
+            raise CodecError(f"unknown dtype code {exact_code} for the exact tokens")
+    else:
+        groups, bank_id, n_exact, side_len = _PREFIX_V3.unpack(rd.take(_PREFIX_V3.size, "prefix"))
+        exact_code = 1
     if bank_id != BANK_ID:
         raise CodecError(f"unknown probability model bank {bank_id}")
     if groups == 0 or dim % groups:
@@ -202,7 +228,7 @@ def parse(payload: bytes | memoryview, shape: tuple[int, int, int, int, int]) ->
     if channels > MAX_VALUES or 8 * n_streams > len(rd.data):
         raise CodecError(f"{channels} channels do not fit a {len(rd.data)}-byte payload")
     codes, family, center = _unpack_side(rd.take(side_len, "side info"), channels)
-    exact = rd.array("<f2", layers * 2 * heads * n_exact * dim, "exact tokens")
+    exact = rd.array(_EXACT_DTYPES[exact_code], layers * 2 * heads * n_exact * dim, "exact tokens")
     lengths = rd.array("<u4", n_streams, "stream table").astype(np.int64)
     if family.size and int(family.max()) >= FAMILIES:
         raise CodecError("table index out of range")

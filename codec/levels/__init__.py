@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from codec.dtypes import DTYPE_NAMES, NAME_OF_DTYPE
-from codec.quantized import QuantParams
+from codec.quantized import DEFAULT_GROUPS, QuantParams
 
 TABLE_FORMAT = "cachegen-level-table/1"
 DEFAULT_TABLE_FILE = "SmolLM2-135M-Instruct.json"
@@ -140,7 +140,7 @@ def _level(entry: Any, rms: np.ndarray | None, index: int) -> Level:
         value_step=value_step,
         key_channel_rms=rms,
         exact_tokens=_int(entry, "exact_tokens", 1, 0, 65535, where),
-        groups=_int(entry, "groups", 2, 1, 255, where),
+        groups=_int(entry, "groups", DEFAULT_GROUPS, 1, 255, where),
     )
     return Level(name, Scheme.QUANT, lossless=False, quant=params)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from codec import decode_chunk, encode_chunk
+from codec import FORMAT_VERSION, decode_chunk, encode_chunk
 from codec.container import read_header
 from codec.entropy_model import BANK_DIGEST, bank
 
@@ -20,10 +20,12 @@ generate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(generate)
 
 NAMES = sorted(generate.golden_levels())
+# What older writers produced: every reader must still decode it.
+OLD = sorted(str(p.relative_to(GOLDEN).with_suffix("")) for p in GOLDEN.glob("v*/*.bin"))
 _NUMPY = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<u2"}
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + OLD)
 def test_golden_chunk_decodes_to_its_tensor(name: str) -> None:
     data = (GOLDEN / f"{name}.bin").read_bytes()
     out = decode_chunk(data)
@@ -31,6 +33,18 @@ def test_golden_chunk_decodes_to_its_tensor(name: str) -> None:
     expected = np.frombuffer((GOLDEN / f"{name}.out").read_bytes(), dtype=_NUMPY[out.dtype])
     got = out.contiguous().view(torch.int16) if out.dtype == torch.bfloat16 else out.contiguous()
     assert np.array_equal(got.numpy().reshape(-1).view(expected.dtype), expected)
+
+
+def test_old_goldens_are_there_and_say_their_version() -> None:
+    assert len(OLD) >= 6
+    for name in OLD:
+        version = int(name.split("/")[0][1:])
+        assert read_header((GOLDEN / f"{name}.bin").read_bytes()).version == version
+
+
+def test_current_goldens_are_this_format_version() -> None:
+    for name in NAMES:
+        assert read_header((GOLDEN / f"{name}.bin").read_bytes()).version == FORMAT_VERSION
 
 
 @pytest.mark.parametrize("name", NAMES)
