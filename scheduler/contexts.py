@@ -290,6 +290,8 @@ def remove_context(store: ObjectStore, manifest: Manifest, pool: ThreadPoolExecu
         for key in other.stored_keys
     }
     doomed = {key for key in manifest.stored_keys if key not in still_used}
+    # listed first: the doomed first chunk's directory holds the index, which the update deletes
+    objects = [info for key in sorted(doomed) for info in store.list(chunk_dir(key))]
     if doomed and manifest.chunk_keys:
         update_index(
             store,
@@ -298,11 +300,10 @@ def remove_context(store: ObjectStore, manifest: Manifest, pool: ThreadPoolExecu
             manifest.chunk_size,
             lambda i: i.without(doomed),
         )
-    objects = [info for key in sorted(doomed) for info in store.list(chunk_dir(key))]
     if pool is None:
         for info in objects:
             store.delete(info.key)
     else:
         for future in [pool.submit(store.delete, info.key) for info in objects]:
             future.result()
-    return sum(info.size for info in objects)
+    return len(manifest.to_bytes()) + sum(info.size for info in objects)

@@ -1,0 +1,90 @@
+"""API keys, tenants and the body limit, through their ASGI middlewares on a minimal app."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+
+from app.auth import ANONYMOUS, ApiKeyAuth, ApiKeys, InvalidApiKey
+from app.body_limit import BodyLimit
+
+
+def test_a_wrong_or_missing_key_is_refused_and_each_key_is_a_tenant():
+    keys = ApiKeys(["key-one", "key-two"])
+    for header in (None, "", "Bearer", "Bearer ", "Basic key-one", "Bearer key-three", "Bearer key-on"):
+        with pytest.raises(InvalidApiKey) as err:
+            keys.tenant(header)
+        assert err.value.status == 401 and err.value.code == "invalid_api_key"
+    one, two = keys.tenant("Bearer key-one"), keys.tenant("bearer  key-two")
+    assert one.id != two.id and one.secret != two.secret and None not in (one.id, two.id)
+    assert keys.tenant("Bearer key-one") == one  # derived, so stable across restarts
+    assert "key-one" not in repr(one) and b"key-one" not in one.secret
+    assert ApiKeys(["key-one"], shared_cache=True).tenant("Bearer key-one") == ANONYMOUS
+    assert ApiKeys([]).tenant(None) == ANONYMOUS  # no keys: open
+
+
+def test_keys_must_be_clean():
+    with pytest.raises(ValueError):
+        ApiKeys(["ok", " padded"])
+
+
+def _app(keys: ApiKeys, max_body: int = 1 << 20) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    @app.get("/metrics")
+    async def metrics() -> dict:
+        return {}
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict:
+        body = await request.body()
+        return {"tenant": request.state.tenant.id, "bytes": len(body)}
+
+    app.add_middleware(BodyLimit, max_bytes=max_body)
+    app.add_middleware(ApiKeyAuth, keys=keys)
+    return app
+
+
+def _call(app: FastAPI, method: str, path: str, **kwargs) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            return await client.request(method, path, **kwargs)
+
+    return asyncio.run(go())
+
+
+def test_the_middleware_answers_401_with_an_error_object_except_on_open_paths():
+    app = _app(ApiKeys(["k1"]))
+    refused = _call(app, "POST", "/echo", content=b"{}")
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+    assert refused.json()["error"]["code"] == "invalid_api_key"
+    assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
+    assert _call(app, "POST", "/echo", headers={"Authorization": "Bearer k2"}).status_code == 401
+    ok = _call(app, "POST", "/echo", content=b"{}", headers={"Authorization": "Bearer k1"})
+    assert ok.status_code == 200 and ok.json()["tenant"] == ApiKeys(["k1"]).tenant("Bearer k1").id
+    assert _call(app, "GET", "/health").status_code == 200
+    assert _call(app, "GET", "/metrics").status_code == 200  # open by default
+    locked = _app(ApiKeys(["k1"], metrics_auth=True))
+    assert _call(locked, "GET", "/metrics").status_code == 401
+
+
+def test_bodies_over_the_limit_get_413_declared_or_streamed():
+    app = _app(ApiKeys([]), max_body=1024)
+    assert _call(app, "POST", "/echo", content=b"x" * 1024).json()["bytes"] == 1024
+    declared = _call(app, "POST", "/echo", content=b"x" * 1025)
+    assert declared.status_code == 413 and declared.json()["error"]["code"] == "request_too_large"
+
+    async def chunks():
+        for _ in range(8):
+            yield b"y" * 400
+
+    streamed = _call(app, "POST", "/echo", content=chunks())  # chunked: no Content-Length
+    assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "request_too_large"
