@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from app.gateway import Gateway
     from codec import Level
     from scheduler.manifest import Manifest
+    from scheduler.tenancy import KeySpace
 
 
 def read_text(path: Path) -> tuple[str | None, str | None]:
@@ -69,10 +70,18 @@ class CountingGate:
         self.bar.update(1)
 
 
-def encode_file(gateway: Gateway, token_ids: list[int], levels: list[Level], label: str) -> Manifest:
+def encode_file(
+    gateway: Gateway,
+    token_ids: list[int],
+    levels: list[Level],
+    label: str,
+    space: KeySpace | None = None,
+    ttl_seconds: int | None = None,
+) -> Manifest:
     """As ``POST /contexts`` encodes (``serving_contexts.encode_tokens``), with progress: prefill in
     tokens, one chunk at a time; then encodes, one per chunk and level."""
     from scheduler.contexts import ContextStore
+    from scheduler.tenancy import PUBLIC
 
     contexts = gateway.contexts
     size = contexts.chunk_size
@@ -87,7 +96,7 @@ def encode_file(gateway: Gateway, token_ids: list[int], levels: list[Level], lab
                 gateway.loop.prefill(kv, start, piece, background=True)
                 bar.update(len(piece))
         compute_seconds = time.perf_counter() - started
-        keys = contexts.keys(token_ids)
+        keys = contexts.keys(token_ids, space or PUBLIC)
         pieces = len(keys) + (contexts.tail(token_ids, keys) is not None)
         with tqdm(total=pieces * len(levels), desc=f"{label} encode", unit="chunk", file=sys.stderr) as bar:
             counted = ContextStore(
@@ -98,7 +107,14 @@ def encode_file(gateway: Gateway, token_ids: list[int], levels: list[Level], lab
                 contexts.pool,
                 CountingGate(contexts.codec_gate, bar),
             )
-            return counted.save(token_ids, kv, levels, compute_seconds=compute_seconds)
+            return counted.save(
+                token_ids,
+                kv,
+                levels,
+                compute_seconds=compute_seconds,
+                space=space or PUBLIC,
+                ttl_seconds=ttl_seconds,
+            )
     finally:
         gateway.memory.release(nbytes)
 
@@ -118,8 +134,23 @@ def main(argv: list[str], prog: str = "python -m app encode") -> int:
         action="store_true",
         help="encode each file as a chat system message (then chat requests that start with it reuse it)",
     )
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="encode for this key's tenant, as POST /contexts with this key would "
+        "(with CACHEGEN_API_KEY or _FILE set, it must be one of them)",
+    )
+    parser.add_argument("--cache-salt", metavar="SALT", help="as the cache_salt of POST /contexts")
+    parser.add_argument(
+        "--ttl-seconds",
+        type=int,
+        metavar="SECONDS",
+        help="the contexts expire this long after (default: pinned)",
+    )
     add_settings_flags(parser, {"model", "store"})
     args = parser.parse_args(argv)
+    if args.ttl_seconds is not None and args.ttl_seconds < 1:
+        parser.error("--ttl-seconds must be at least 1")
 
     texts: list[tuple[Path, str]] = []
     refused = 0
@@ -157,6 +188,7 @@ def _encode(args: argparse.Namespace, texts: list[tuple[Path, str]], prog: str) 
     from app.protocol import ChatMessage
     from app.serving_contexts import context_object
 
+    space = _key_space(settings, args.api_key, args.cache_salt)
     gateway = build_gateway(settings)
     try:
         levels = gateway.encode_levels(args.levels)
@@ -181,10 +213,26 @@ def _encode(args: argparse.Namespace, texts: list[tuple[Path, str]], prog: str) 
             return print_failure(prog, f"{refused} of {len(texts)} files refused; nothing encoded")
         for number, (path, ids) in enumerate(todo, 1):
             label = f"[{number}/{len(todo)}] {path.name}"
-            manifest = encode_file(gateway, ids, levels, label)
+            manifest = encode_file(gateway, ids, levels, label, space, args.ttl_seconds)
             tqdm.write(json.dumps({"file": str(path), **context_object(manifest)}), file=sys.stdout)
     finally:
         gateway.loop.stop()
         gateway.io_pool.shutdown()
         gateway.store.close()
     return 0
+
+
+def _key_space(settings: Any, api_key: str | None, cache_salt: str | None) -> KeySpace:
+    """The tenant and salt a gateway gives ``POST /contexts`` with this key and ``cache_salt``."""
+    from app.auth import ANONYMOUS, ApiKeys, InvalidApiKey
+
+    configured = settings.api_keys()
+    if api_key is None:
+        if configured and not settings.shared_cache:
+            raise ValueError("API keys are configured: give --api-key, the key of the tenant to encode for")
+        return ANONYMOUS.key_space(cache_salt)
+    keys = ApiKeys(configured or [api_key], settings.shared_cache)
+    try:
+        return keys.tenant(f"Bearer {api_key}").key_space(cache_salt)
+    except InvalidApiKey:
+        raise ValueError("--api-key is not one of the configured API keys") from None
