@@ -3,6 +3,7 @@ middlewares; the log format."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -19,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.auth import ApiKeyAuth, ApiKeys
 from app.body_limit import BodyLimit
-from app.errors import error_response, install_error_handlers, to_api_error
+from app.errors import StoreFailed, error_response, install_error_handlers, to_api_error
 from app.gateway import Gateway, build_gateway
 from app.metrics import Metrics
 from app.readiness import Readiness
@@ -159,10 +160,23 @@ class ErrorCounter:
 
         try:
             await self.app(scope, receive, counting_send)
+        except asyncio.CancelledError:
+            # uvicorn cancels what is still running when the shutdown grace is over: answer with a 503
+            # when nothing was sent yet, and end the request here rather than log it as a crash
+            if status == 0:
+                await error_response(ShuttingDown())(scope, receive, counting_send)
         except Exception as exc:  # noqa: BLE001 - the last place to answer it as an error object
             err = to_api_error(exc, Request(scope))
             if status == 0:  # nothing sent yet
                 await error_response(err)(scope, receive, counting_send)
+
+
+class ShuttingDown(StoreFailed):
+    def __init__(self) -> None:
+        super().__init__(
+            "the gateway is shutting down and its grace period (CACHEGEN_SHUTDOWN_GRACE_S) is over; retry",
+            code="shutting_down",
+        )
 
 
 def _error_code(body: bytes) -> str:
