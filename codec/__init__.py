@@ -3,7 +3,7 @@
 No I/O, no asyncio, no settings: callers hand in tensors and level objects.
 """
 
-from codec.backends import Backend, NumbaBackend, backend_for, decode_into
+from codec.backends import Backend, NumbaBackend, backend_for, decode_chunks_into, decode_into
 from codec.chunk import decode_chunk, encode_chunk
 from codec.container import FORMAT_VERSION
 from codec.errors import CodecError, StreamError
@@ -34,6 +34,7 @@ __all__ = [
     "StreamError",
     "backend_for",
     "decode_chunk",
+    "decode_chunks_into",
     "decode_into",
     "encode_chunk",
     "level_by_name",

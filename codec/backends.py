@@ -24,7 +24,7 @@ import torch
 from codec import int8, quantized
 from codec.errors import StreamError
 from codec.int8 import Int8Body
-from codec.parsed import DenseBody, ParsedBatch, ParsedChunk
+from codec.parsed import DenseBody, ParsedBatch, ParsedChunk, parse_chunks
 from codec.quantized import QuantBody
 
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -86,15 +86,26 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@cache
+def _triton_backend() -> Backend:
+    from codec.triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
 def backend_for(device: torch.device) -> Backend:
     """Triton on a CUDA device when it is installed, else the CPU decoder (and a copy)."""
     if device.type == "cuda" and triton_available():
-        from codec.triton_backend import TritonBackend
-
-        return TritonBackend()
+        return _triton_backend()  # one per process: it keeps the probability tables per device
     return NumbaBackend()
 
 
 def decode_into(batch: ParsedBatch, out: torch.Tensor, backend: Backend | None = None) -> None:
     """Decode ``batch`` into ``out`` (see the module docstring); ``backend`` forces one."""
     (backend or backend_for(out.device)).decode_into(batch, out)
+
+
+def decode_chunks_into(chunks: list[bytes], out: torch.Tensor, backend: Backend | None = None) -> None:
+    """Parse every chunk, then decode them into consecutive tokens of ``out``: a chunk that the
+    parse rejects raises ``CodecError`` before anything is decoded."""
+    decode_into(parse_chunks(chunks), out, backend)

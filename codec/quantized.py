@@ -232,6 +232,10 @@ def parse(payload: bytes | memoryview, shape: tuple[int, int, int, int, int], ve
     lengths = rd.array("<u4", n_streams, "stream table").astype(np.int64)
     if family.size and int(family.max()) >= FAMILIES:
         raise CodecError("table index out of range")
+    # The encoder refuses non-finite KV; format 3 wrote an fp16 infinity for a value beyond
+    # float16, which decodes as it did. NaN is never written (and would make backends differ).
+    if exact.size and not np.isfinite(exact).all() and (version >= 4 or np.isnan(exact).any()):
+        raise CodecError("exact tokens hold non-finite values")
     total = int(lengths.sum())
     body = rd.take(2 * total, "streams")
     if rd.pos != len(rd.data):

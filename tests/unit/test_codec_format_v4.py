@@ -68,3 +68,16 @@ def test_a_version_3_header_on_a_version_4_payload_is_rejected() -> None:
     data[4:6] = struct.pack("<H", 3)
     with pytest.raises(CodecError):
         decode_chunk(_forge_crc(data))
+
+
+def _exact_offset(data: bytes) -> int:
+    side = struct.unpack_from("<I", data, HEADER_SIZE + 5)[0]
+    return HEADER_SIZE + 9 + side
+
+
+@pytest.mark.parametrize("bits", [0x7E00, 0x7C00, 0xFC00])  # NaN, inf, -inf as float16
+def test_non_finite_exact_values_are_rejected(bits: int) -> None:
+    data = bytearray(encode_chunk(_kv(), level_by_name("medium")))
+    struct.pack_into("<H", data, _exact_offset(data) + 2 * 5, bits)
+    with pytest.raises(CodecError, match="non-finite"):
+        decode_chunk(_forge_crc(data))
