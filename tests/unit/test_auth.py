@@ -88,3 +88,13 @@ def test_bodies_over_the_limit_get_413_declared_or_streamed():
 
     streamed = _call(app, "POST", "/echo", content=chunks())  # chunked: no Content-Length
     assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "request_too_large"
+
+
+def test_the_rank_test_of_the_timing_benchmark():
+    from benchmarks.tenant_timing import mann_whitney
+
+    same = [float(v) for v in range(50)]
+    assert mann_whitney(same, list(same))[1] > 0.99
+    u, p = mann_whitney([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
+    assert u == 0 and 0.04 < p < 0.06  # scipy (normal approximation, no continuity correction): 0.0495
+    assert mann_whitney([float(v) for v in range(50)], [v + 100.0 for v in range(50)])[1] < 1e-15
