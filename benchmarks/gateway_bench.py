@@ -11,6 +11,13 @@ contexts of ~2K and ~4K tokens, then measures in the same run:
 Writes JSON (``--out``) and prints a table.
 
     python benchmarks/gateway_bench.py --out benchmarks/results/gateway.json
+
+``--auth`` measures instead what API keys and salted chunk keys add: the same
+short prompt to two gateways, one open and one with keys (each request sends
+its key and a ``cache_salt``), interleaved; and, in this process, the cost of
+checking a key and deriving the salted chunk keys of a 4K-token prompt.
+
+    python benchmarks/gateway_bench.py --auth --out benchmarks/results/gateway_auth.json
 """
 
 from __future__ import annotations
@@ -32,10 +39,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.gateway_process import GatewayProcess  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
-_DOC_MODULES = ["argparse", "asyncio", "collections", "concurrent.futures", "csv", "dataclasses", "datetime",
-                "decimal", "email", "functools", "http.client", "itertools", "json", "logging", "os", "pathlib",
-                "re", "sqlite3", "string", "subprocess", "threading", "typing", "unittest", "urllib.request",
-                "zipfile", "difflib", "heapq", "inspect", "shutil", "tarfile", "textwrap", "xml.dom"]
+_DOC_MODULES = [
+    "argparse",
+    "asyncio",
+    "collections",
+    "concurrent.futures",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "email",
+    "functools",
+    "http.client",
+    "itertools",
+    "json",
+    "logging",
+    "os",
+    "pathlib",
+    "re",
+    "sqlite3",
+    "string",
+    "subprocess",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.request",
+    "zipfile",
+    "difflib",
+    "heapq",
+    "inspect",
+    "shutil",
+    "tarfile",
+    "textwrap",
+    "xml.dom",
+]
 
 
 def real_text(tokenizer, tokens: int) -> str:
@@ -83,10 +120,15 @@ def bench_ttft(url: str, tokenizer, sizes: list[int], repeats: int) -> list[dict
     rows = []
     for size in sizes:
         context = real_text(tokenizer, size)
-        enc = httpx.post(f"{url}/contexts", json={"messages": [{"role": "system", "content": context}]}, timeout=900)
+        enc = httpx.post(
+            f"{url}/contexts", json={"messages": [{"role": "system", "content": context}]}, timeout=900
+        )
         enc.raise_for_status()
         created = enc.json()
-        messages = [{"role": "system", "content": context}, {"role": "user", "content": "Summarize the text."}]
+        messages = [
+            {"role": "system", "content": context},
+            {"role": "user", "content": "Summarize the text."},
+        ]
         ttft(url, messages, {"kv_cache": False})  # warm-up
         cold = [ttft(url, messages, {"kv_cache": False})[0] for _ in range(repeats)]
         warm_runs = [ttft(url, messages, {"kv_quality": "lossless"}) for _ in range(repeats)]
@@ -157,13 +199,87 @@ def bench_overhead(url: str, requests: int) -> dict:
     }
 
 
+def bench_auth(requests: int) -> dict:
+    """HTTP p50/p99 of an open gateway and a keyed one, interleaved; the in-process cost of the key check
+    and of salting the chunk keys of a 4K-token prompt."""
+    from app.auth import ApiKeys
+    from scheduler.prefix import chunk_keys, make_fingerprint
+
+    keys = [f"key-{i:03d}" for i in range(100)]  # every key is compared: the cost grows with their number
+    api_keys = ApiKeys(keys)
+    fp = make_fingerprint(weights="w", config={}, vocabulary="v", chunk_size=256)
+    ids = list(range(4096))
+
+    def micro(fn, n: int = 2000) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    check_us = micro(lambda: api_keys.tenant("Bearer key-099").key_space("salt"))
+    plain_us = micro(lambda: chunk_keys(fp, ids, 256), 500)
+    salted_us = micro(lambda: chunk_keys(fp, ids, 256, b"s" * 32), 500)
+
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi!"}],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        open_env = {"CACHEGEN_STORE": f"file://{tmp}/open", "CACHEGEN_LOG_LEVEL": "warning"}
+        keyed_env = {
+            "CACHEGEN_STORE": f"file://{tmp}/keyed",
+            "CACHEGEN_LOG_LEVEL": "warning",
+            "CACHEGEN_API_KEY": ",".join(keys),
+        }
+        with (
+            GatewayProcess(open_env, Path(tmp) / "open.log") as plain,
+            GatewayProcess(keyed_env, Path(tmp) / "keyed.log") as keyed,
+            httpx.Client(timeout=120) as client,
+        ):
+
+            def post(url: str, extra: dict, headers: dict) -> float:
+                t0 = time.perf_counter()
+                client.post(
+                    f"{url}/v1/chat/completions", json={**body, **extra}, headers=headers
+                ).raise_for_status()
+                return time.perf_counter() - t0
+
+            auth = {"Authorization": "Bearer key-099"}
+            for _ in range(5):
+                post(plain.url, {}, {}), post(keyed.url, {"cache_salt": "salt"}, auth)
+            o, k = [], []
+            for i in range(requests):  # interleaved, alternating which goes first
+                pair = [(o, plain.url, {}, {}), (k, keyed.url, {"cache_salt": "salt"}, auth)]
+                for out, url, extra, headers in pair if i % 2 == 0 else reversed(pair):
+                    out.append(post(url, extra, headers))
+    return {
+        "requests": requests,
+        "api_keys": len(keys),
+        "open_p50_ms": percentile(o, 50) * 1000,
+        "open_p99_ms": percentile(o, 99) * 1000,
+        "keyed_p50_ms": percentile(k, 50) * 1000,
+        "keyed_p99_ms": percentile(k, 99) * 1000,
+        "added_p50_ms": (percentile(k, 50) - percentile(o, 50)) * 1000,
+        "key_check_and_salt_us": check_us,
+        "chunk_keys_4k_unsalted_us": plain_us,
+        "chunk_keys_4k_salted_us": salted_us,
+    }
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--auth", action="store_true", help="measure what API keys and salting add, only")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gateway.json"))
     args = parser.parse_args()
+    if args.auth:
+        return main_auth(args)
 
     from transformers import AutoTokenizer
 
@@ -184,7 +300,9 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
 
-    print(f"{'tokens':>7} {'cached':>7} {'no reuse s':>11} {'lossless s':>11} {'speedup':>8} {'load ms':>8} {'MB':>7}")
+    print(
+        f"{'tokens':>7} {'cached':>7} {'no reuse s':>11} {'lossless s':>11} {'speedup':>8} {'load ms':>8} {'MB':>7}"
+    )
     for r in ttft_rows:
         print(
             f"{r['context_tokens']:>7} {r['cached_tokens']:>7} {r['ttft_no_reuse_s']:>11.3f} "
@@ -196,6 +314,25 @@ def main() -> int:
         f"\nshort prompt ({o['prompt_tokens']} tokens, {o['requests']} requests): direct p50 {o['direct_p50_ms']:.1f} ms "
         f"p99 {o['direct_p99_ms']:.1f} ms | HTTP p50 {o['http_p50_ms']:.1f} ms p99 {o['http_p99_ms']:.1f} ms | "
         f"overhead p50 {o['overhead_p50_ms']:.1f} ms p99 {o['overhead_p99_ms']:.1f} ms"
+    )
+    print(f"wrote {args.out}")
+    return 0
+
+
+def main_auth(args: argparse.Namespace) -> int:
+    result = {"benchmark": "gateway_auth", "machine": {"cpus": os.cpu_count()}, **bench_auth(args.requests)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    r = result
+    print(f"{'gateway':<8} {'p50 ms':>8} {'p99 ms':>8}   ({r['requests']} interleaved requests each)")
+    print(f"{'open':<8} {r['open_p50_ms']:>8.2f} {r['open_p99_ms']:>8.2f}")
+    print(
+        f"{'keyed':<8} {r['keyed_p50_ms']:>8.2f} {r['keyed_p99_ms']:>8.2f}   (key of {r['api_keys']}, cache_salt)"
+    )
+    print(f"added p50: {r['added_p50_ms']:+.2f} ms")
+    print(
+        f"in process: key check + key space {r['key_check_and_salt_us']:.1f} us; chunk keys of 4K tokens "
+        f"{r['chunk_keys_4k_unsalted_us']:.1f} us unsalted, {r['chunk_keys_4k_salted_us']:.1f} us salted"
     )
     print(f"wrote {args.out}")
     return 0
