@@ -43,6 +43,7 @@ from scheduler.planner import TEXT
 from scheduler.prefix import make_fingerprint, weights_digest
 from scheduler.profile import load_or_measure, profile_key, profile_path
 from scheduler.step_loop import StepLoop
+from scheduler.store_levels import default_store_levels
 from scheduler.write_back import WriteBack
 from storage import ObjectStore, open_store
 
@@ -108,6 +109,9 @@ class Gateway:
     io_pool: ThreadPoolExecutor
     profile_file: Path  # the cost profile, written back at shutdown with what serving learned
     collector: StoreCollector
+    store_levels: tuple[
+        Level, ...
+    ]  # stored when no setting or request names levels (scheduler/store_levels.py)
 
     def __post_init__(self) -> None:
         self._collecting = threading.Lock()
@@ -180,8 +184,12 @@ class Gateway:
         return KVRequest(list(self.levels[: floor + 1]), distortion, allow_text=False)
 
     def encode_levels(self, names: list[str] | None) -> list[Level]:
+        """The levels a pre-encode writes: the request's, else the settings', else the stored default."""
+        names = list(dict.fromkeys(names or self.settings.encode_levels or []))
+        if not names:
+            return list(self.store_levels)
         try:
-            return _pick_levels(self.levels, list(dict.fromkeys(names or self.settings.encode_levels or [])))
+            return _pick_levels(self.levels, names)
         except ValueError:
             known = ", ".join(lv.name for lv in self.levels)
             raise InvalidRequest(f"unknown level in {names}; known: {known}", param="levels") from None
@@ -495,11 +503,17 @@ def build_gateway(settings: Settings) -> Gateway:
     # measured on the model thread, at the speed requests will see
     profile = loop.call(load_or_measure, profile_file, runner, list(levels), settings.chunk_size)
     loader = PrefixLoader(store, geometry, io_pool, profile, codec_gate=codec_gate)
+    store_levels = default_store_levels(levels, profile, settings.chunk_size, runner.kv_bytes_per_token)
+    log.info(
+        "levels stored by default: %s (lossless %s: a raw chunk over 1 Gbit/s against its recompute)",
+        ", ".join(lv.name for lv in store_levels),
+        "pays" if any(lv.lossless for lv in store_levels) else "does not pay",
+    )
     write_back = None
     if settings.write_back:
         write_back = WriteBack(
             contexts,
-            _pick_levels(levels, settings.write_back_levels),
+            _pick_levels(levels, settings.write_back_levels) if settings.write_back_levels else store_levels,
             on_done=lambda outcome: metrics.write_backs.labels(outcome).inc(),
             initializer=worker_threads,
         )
@@ -532,6 +546,7 @@ def build_gateway(settings: Settings) -> Gateway:
         profile_file=profile_file,
         io_pool=io_pool,
         collector=StoreCollector(store, settings.gc_grace_s, settings.store_max_bytes),
+        store_levels=tuple(store_levels),
     )
 
 
