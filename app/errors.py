@@ -7,13 +7,14 @@ into ``{"error": {"message", "type", "param", "code"}}`` with the right status.
 from __future__ import annotations
 
 import logging
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.protocol import ErrorResponse
 from scheduler.errors import ContextNotFound, ManifestError
 from scheduler.kv_memory import KVMemoryExceeded
 from scheduler.step_loop import LoopStopped
@@ -65,6 +66,14 @@ class StoreFailed(APIError):
     status = 503
     type = "server_error"
     code = "kv_store_unavailable"
+
+
+# documented on every route, in place of FastAPI's 422 ``HTTPValidationError``, which this API never
+# answers: a client generated from /openapi.json must know the shape of the errors it gets
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorResponse, "description": "Invalid request: an OpenAI error object"},
+    "5XX": {"model": ErrorResponse, "description": "Server or store error: an OpenAI error object"},
+}
 
 
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
@@ -157,7 +166,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     """Errors the app raises on purpose are answered by Starlette's ``ExceptionMiddleware``, one
     handler per class. A handler for ``Exception`` would run in ``ServerErrorMiddleware``, which
-    re-raises after answering, and uvicorn prints the traceback of every 404 and 429."""
+    re-raises after answering, and uvicorn prints the traceback of every 404 and 429.
+
+    Also documents the error object on the routes included after this call (``ERROR_RESPONSES``)."""
+    app.router.responses.update(ERROR_RESPONSES)
 
     async def _expected(request: Request, exc: Exception) -> JSONResponse:
         return error_response(to_api_error(exc, request))
@@ -175,7 +187,9 @@ def install_error_handlers(app: FastAPI) -> None:
         err = APIError(str(exc.detail))
         err.status = exc.status_code
         err.code = "not_found" if exc.status_code == 404 else None
-        return error_response(to_api_error(err, request))
+        response = error_response(to_api_error(err, request))
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _any(_: Request, exc: Exception) -> JSONResponse:

@@ -5,32 +5,71 @@ Pure data: nothing here imports the engine, the scheduler or the store.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
 
-Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+# Sampling divides the logits by the temperature and the repetition penalty, then keeps a nucleus of
+# top_p: a value of 1e-38 overflowed float32 logits to inf, and a top_p of 5e-324 rounded to 0 kept no
+# token; the sampler failed on both. These limits keep every accepted request samplable.
+GREEDY_BELOW = 1e-5  # as vLLM: a lower temperature samples greedily
+MIN_REPETITION_PENALTY = 0.01
+# holds the top token alone (its probability is at least 1 / vocabulary), as any smaller top_p does
+MIN_TOP_P = 1e-6
+
+
+def _temperature(value: float) -> float:
+    return 0.0 if value < GREEDY_BELOW else value
+
+
+def _top_p(value: float) -> float:
+    return max(value, MIN_TOP_P)
+
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0), AfterValidator(_temperature)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0), AfterValidator(_top_p)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 MAX_STOPS = 4
 MAX_N = 8
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_TTL_SECONDS = 10 * 365 * 86400
 CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
+# torch seeds a generator with any 64-bit value; choice i of n samples with seed + i, still within 2**64
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# token ids are hashed as uint32 into storage keys; no vocabulary comes near (the gateway checks its own)
+MAX_TOKEN_ID = 2**32 - 1
+# logit_bias keys: plain decimal token ids; ``int()`` would also take " 12", "1_000" and non-ASCII digits
+_TOKEN_KEY = re.compile(r"[0-9]{1,20}")
 
 # Fields that accept several shapes are normalized to one by a "before" validator that also
 # states the constraint: a pydantic union reports each member's failure ("stop.str: Input should
 # be a valid string" for a fifth stop string), which names neither the field nor the rule.
+
+
+def _unicode(value: str) -> str:
+    """Text the tokenizer can encode: JSON may escape a lone surrogate (``"\\ud800"``), UTF-8 cannot."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+    return value
+
+
+# every string that reaches the tokenizer or the chat template
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 def _stop_list(value: Any) -> Any:
@@ -55,6 +94,8 @@ def _token_ids(value: Any) -> Any:
         raise ValueError("token ids must be integers")
     if any(t < 0 for t in value):
         raise ValueError("token ids must be >= 0")
+    if any(t > MAX_TOKEN_ID for t in value):
+        raise ValueError(f"token ids must be <= {MAX_TOKEN_ID}")
     return value
 
 
@@ -67,7 +108,7 @@ def _prompt(value: Any) -> Any:
     if isinstance(value, str):
         if value == "":
             raise ValueError("prompt must not be empty")
-        return value
+        return _unicode(value)
     if isinstance(value, list):
         return _token_ids(value)
     raise ValueError("must be a string or a list of token ids")
@@ -83,12 +124,16 @@ def _logit_bias(value: Any) -> Any:
         raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
     out: dict[int, float] = {}
     for key, bias in value.items():
-        try:
+        if isinstance(key, int) and not isinstance(key, bool):
+            token = key
+        elif isinstance(key, str) and _TOKEN_KEY.fullmatch(key):
             token = int(key)
-        except (TypeError, ValueError):
-            raise ValueError(f"keys must be token ids; got {key!r}") from None
+        else:
+            raise ValueError(f"keys must be token ids; got {key!r}")
         if token < 0:
             raise ValueError("token ids must be >= 0")
+        if token > MAX_TOKEN_ID:
+            raise ValueError(f"token ids must be <= {MAX_TOKEN_ID}")
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
             raise ValueError(f"the bias of token {token} must be a number in [-100, 100]")
         out[token] = float(bias)
@@ -103,24 +148,58 @@ def _content_parts(value: Any) -> Any:
     return value
 
 
-Stop = Annotated[list[str] | None, BeforeValidator(_stop_list)]
-LogitBias = Annotated[dict[int, float] | None, BeforeValidator(_logit_bias)]
-TokenIds = Annotated[list[int], BeforeValidator(_token_ids)]
-Prompt = Annotated[str | list[int], BeforeValidator(_prompt)]
+# json_schema_input_type: /openapi.json describes what clients may send, not the normalized form
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIdList = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(min_length=1)]
+Stop = Annotated[
+    list[str] | None,
+    BeforeValidator(
+        _stop_list,
+        json_schema_input_type=NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOPS)] | None,
+    ),
+]
+LogitBias = Annotated[
+    dict[int, float] | None,
+    BeforeValidator(_logit_bias),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "propertyNames": {"pattern": f"^{_TOKEN_KEY.pattern}$"},
+                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                    "maxProperties": MAX_LOGIT_BIAS,
+                },
+                {"type": "null"},
+            ]
+        }
+    ),
+]
+TokenIds = Annotated[list[int], BeforeValidator(_token_ids, json_schema_input_type=TokenIdList)]
+Prompt = Annotated[
+    str | list[int],
+    BeforeValidator(
+        _prompt,
+        json_schema_input_type=NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=1)]
+        | TokenIdList,
+    ),
+]
 
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # a string arrives here as one text part; None only for an assistant message
-    content: Annotated[list[TextPart] | None, BeforeValidator(_content_parts)] = Field(
-        None, validate_default=True
-    )
-    name: str | None = None
+    content: Annotated[
+        list[TextPart] | None,
+        BeforeValidator(_content_parts, json_schema_input_type=str | list[TextPart] | None),
+    ] = Field(None, validate_default=True)
+    name: Text | None = None
 
     @field_validator("content")
     @classmethod
@@ -154,12 +233,12 @@ class KVExtension(BaseModel):
 class SamplingFields(BaseModel):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    seed: int | None = None
+    seed: Seed | None = None
     stop: Stop = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = Field(
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=10.0)] = Field(
         1.0, description="extension (as in vLLM): > 1 discourages tokens of the prompt and the output"
     )
     logit_bias: LogitBias = None
@@ -240,7 +319,7 @@ class ContextRequest(BaseModel):
     SOURCES: ClassVar[tuple[str, ...]] = ("text", "messages", "prompt_token_ids")
 
     model: str | None = None
-    text: Annotated[str, Field(min_length=1)] | None = None
+    text: Annotated[Text, Field(min_length=1)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     prompt_token_ids: TokenIds | None = None
     levels: Annotated[list[str], Field(min_length=1)] | None = None
@@ -268,6 +347,19 @@ class ContextRequest(BaseModel):
 
 
 # -- responses ------------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None  # the request field at fault, as OpenAI names nested ones: ``messages[0].content``
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the API answers: OpenAI's error object (built by ``app.errors``)."""
+
+    error: ErrorInfo
 
 
 def new_id(prefix: str) -> str:
