@@ -37,6 +37,9 @@ ERR_OVERRUN = tl.constexpr(1)
 ERR_LENGTH = tl.constexpr(2)
 ERR_STATE = tl.constexpr(3)
 STREAM_FIELDS = 6  # per stream: first word, end word, first channel, output offset, tokens, channels
+ROW_FIELDS = 6  # per chunk: rows, heads, tokens, first source value, first scale, output offset
+_STREAM_FIELDS = tl.constexpr(STREAM_FIELDS)
+_ROW_FIELDS = tl.constexpr(ROW_FIELDS)
 
 
 @triton.jit
@@ -72,7 +75,7 @@ def rans_dequant(
 ):
     lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = lane < n_streams
-    desc = desc_ptr + lane.to(tl.int64) * 6
+    desc = desc_ptr + lane.to(tl.int64) * _STREAM_FIELDS
     pos = tl.load(desc, mask=live, other=0)
     end = tl.load(desc + 1, mask=live, other=0)
     chan = tl.load(desc + 2, mask=live, other=0)
@@ -135,9 +138,6 @@ def rans_dequant(
     tl.store(status_ptr + lane, err, mask=live)
 
 
-ROW_FIELDS = 6  # per chunk: rows, heads, tokens, first source value, first scale, output offset
-
-
 @triton.jit
 def dense_rows(
     src_ptr,  # int8 codes or float32 values, rows of ``head_dim``
@@ -156,7 +156,7 @@ def dense_rows(
 ):
     """Rows (layer, k/v, head, token) of ``head_dim`` values: int8 codes times their token's scale
     (scheme 3), or float32 values as they are (scheme 2's exact tokens)."""
-    desc = desc_ptr + tl.program_id(1) * 6
+    desc = desc_ptr + tl.program_id(1) * _ROW_FIELDS
     n_rows = tl.load(desc)
     heads = tl.load(desc + 1)
     tokens = tl.load(desc + 2)
