@@ -55,15 +55,13 @@ def efficiency(data: bytes) -> dict[str, float]:
     """Coded bits vs the ideal bits of the decoded symbols under the stored model and vs empirical entropy."""
     header, payload = unpack(data)
     layers, _, heads, tokens, dim = header.shape
-    rd = quantized._Reader(payload)
-    groups, _, n_exact, side_len = quantized._PREFIX.unpack(rd.take(quantized._PREFIX.size, "prefix"))
+    body = quantized.parse(payload, header.shape, header.version)
     channels = layers * 2 * heads * dim
-    codes, family, center = quantized._unpack_side(rd.take(side_len, "side"), channels)
-    family, center = family.astype(np.int64), center.astype(np.int64)
-    rd.take(2 * layers * 2 * heads * n_exact * dim, "exact")
-    lengths = rd.array("<u4", (channels // (dim // groups)), "lengths").astype(np.int64)
+    n_exact = body.exact_tokens
+    family, center = body.family.astype(np.int64), body.center.astype(np.int64)
+    lengths = np.diff(body.offsets)
     kv = decode_chunk(data).numpy()[:, :, :, n_exact:]
-    step = quantized.STEP_TABLE[codes.reshape(layers, 2, heads, dim)]
+    step = body.step.reshape(layers, 2, heads, dim)
     r = np.rint(kv / step[:, :, :, None, :]).astype(np.int64) - center.reshape(layers, 2, heads, 1, dim)
     r = r.transpose(0, 1, 2, 4, 3).reshape(channels, -1)
     b = bank()

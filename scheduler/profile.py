@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from codec import Level, decode_chunk, encode_chunk, level_digest
+from codec import Level, decode_chunks_into, encode_chunk, level_digest
 from engine import ModelRunner
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: decode timed into the model's buffer, on its device
 _EWMA = 0.2  # weight of the newest measurement
 
 
@@ -175,12 +175,21 @@ def measure(runner: ModelRunner, levels: list[Level], chunk_size: int) -> CostPr
     overhead = max(t2 - small * (per_token + per_position * (n + small / 2)), 0.0)
 
     chunk = kv0.float().cpu().contiguous()
+    # decoded as the loader decodes: parsed, then written into a slice of a KV buffer on the model's
+    # device in its dtype (Triton on a GPU, numba on the CPU)
+    out = runner.new_kv(chunk.shape[3])
     decode = {}
     for level in levels:
         data = encode_chunk(chunk, level)
-        decode_chunk(data)  # warm
-        decode[level.name] = min(_time(decode_chunk, data) for _ in range(3)) / chunk_size
+        _decode_into(data, out)  # warm (and compile)
+        decode[level.name] = min(_time(_decode_into, data, out) for _ in range(3)) / chunk_size
     return CostProfile(decode, overhead, per_token, per_position)
+
+
+def _decode_into(data: bytes, out: torch.Tensor) -> None:
+    decode_chunks_into([data], out)
+    if out.device.type == "cuda":
+        torch.cuda.synchronize(out.device)
 
 
 def _time(fn, *args) -> float:
