@@ -38,9 +38,10 @@ from scheduler.generation import Finished, GenerationJob, PrefixReport, PromptDo
 from scheduler.geometry import KVGeometry
 from scheduler.kv_memory import KVMemory
 from scheduler.lifecycle import CollectReport, StoreCollector
-from scheduler.loader import KVRequest, PrefixLoader
+from scheduler.loader import PrefixLoader
 from scheduler.planner import TEXT
 from scheduler.prefix import make_fingerprint, weights_digest
+from scheduler.prefix_load import KVRequest
 from scheduler.profile import load_or_measure, profile_key, profile_path
 from scheduler.step_loop import StepLoop
 from scheduler.store_levels import default_store_levels

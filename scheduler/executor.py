@@ -27,7 +27,8 @@ from engine import ModelRunner
 from scheduler.contexts import ContextStore
 from scheduler.generation import Finished, Generation, GenerationJob, PrefixReport
 from scheduler.kv_memory import KVMemory
-from scheduler.loader import PrefixLoad, PrefixLoader
+from scheduler.loader import PrefixLoader
+from scheduler.prefix_load import PrefixLoad
 from scheduler.step_loop import StepLoop
 from scheduler.stored import StoredPrefix, find_stored_prefix
 from scheduler.write_back import WriteBack

@@ -23,7 +23,7 @@ from engine import ModelRunner
 from engine.detokenize import IncrementalText
 from engine.ragged import Segment
 from engine.sampling import SamplingParams, TokenHistory, adjust_logits, make_generator, sample_next
-from scheduler.loader import ChunkReport, KVRequest
+from scheduler.prefix_load import ChunkReport, KVRequest
 from scheduler.tenancy import PUBLIC, KeySpace
 
 

@@ -21,8 +21,8 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,6 +40,7 @@ from scheduler.bandwidth import BandwidthEstimator
 from scheduler.geometry import KVGeometry
 from scheduler.layout import chunk_object_key
 from scheduler.planner import TEXT, ChunkCosts, PlanInputs, plan
+from scheduler.prefix_load import ChunkReport, KVRequest, KVTarget, PrefixLoad
 from scheduler.profile import CostProfile
 from scheduler.stored import StoredChunk, StoredPrefix
 from storage import ObjectNotFound, ObjectStore, StorageError
@@ -54,54 +55,6 @@ BUDGET_SHARE = 0.8
 # Store chunks decoded together at most: what has arrived when the decoder gets to it, so that a
 # GPU decodes many chunks' streams in one launch (16 x 360 streams of the default model).
 MAX_BATCH = 16
-
-
-class KVTarget(Protocol):
-    """Where a prefix is loaded: the request's KV buffer, and prefill for its text chunks
-    (``scheduler.executor.LoopTarget``: on the step loop)."""
-
-    def new_kv(self, tokens: int) -> torch.Tensor: ...
-
-    def prefill_into(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> None: ...
-
-
-@dataclass(frozen=True)
-class KVRequest:
-    """How one request may use stored KV."""
-
-    levels: list[Level]  # candidates, best quality first; with ``fixed``, the one named level
-    distortion: dict[str, float]  # level name -> quality loss (0 = exact); see planner
-    fixed: bool = False  # a level the client named: every chunk at it, never text
-    budget_s: float | None = None  # time from the start of the request to its first token
-    allow_text: bool = True
-
-
-@dataclass
-class ChunkReport:
-    index: int
-    tokens: int
-    source: str  # "store" or "text"
-    level: str | None
-    bytes: int = 0
-    fetch_ms: float = 0.0  # from issuing the GET to the last byte
-    decode_ms: float = 0.0  # decode and placement in the buffer
-    prefill_ms: float = 0.0  # text chunks: recompute
-    idle_ms: float = 0.0  # the pipeline waited this long for the chunk's bytes
-
-
-@dataclass
-class PrefixLoad:
-    kv: torch.Tensor | None  # (layers, 2, heads, capacity, head_dim) on the model's device
-    tokens: int = 0  # the first ``tokens`` of ``kv`` hold the prefix
-    chunks: list[ChunkReport] = field(default_factory=list)
-    faults: list[str] = field(default_factory=list)
-    exact: bool = True  # every loaded token's KV equals what a full prefill computes
-    bandwidth_bps: float | None = None  # bytes per second, the estimate after loading
-    planned_s: float | None = None  # the first plan's predicted time to the first token
-
-    @property
-    def stored_tokens(self) -> int:
-        return sum(c.tokens for c in self.chunks if c.source == "store")
 
 
 @dataclass

@@ -22,8 +22,9 @@ from codec.quantized import QuantParams
 from scheduler.contexts import ContextStore
 from scheduler.geometry import KVGeometry
 from scheduler.layout import chunk_object_key
-from scheduler.loader import MAX_BATCH, KVRequest, PrefixLoader
+from scheduler.loader import MAX_BATCH, PrefixLoader
 from scheduler.prefix import make_fingerprint
+from scheduler.prefix_load import KVRequest
 from scheduler.profile import CostProfile
 from scheduler.stored import find_stored_prefix
 from storage.memory import MemoryStore

@@ -18,9 +18,10 @@ from codec import LOSSLESS, Level, Scheme
 from codec.quantized import QuantParams
 from scheduler.contexts import ContextStore
 from scheduler.geometry import KVGeometry
-from scheduler.loader import KVRequest, PrefixLoader
+from scheduler.loader import PrefixLoader
 from scheduler.planner import TEXT
 from scheduler.prefix import make_fingerprint
+from scheduler.prefix_load import KVRequest
 from scheduler.profile import CostProfile
 from scheduler.stored import find_stored_prefix
 from storage.memory import MemoryStore

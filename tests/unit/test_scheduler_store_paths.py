@@ -15,9 +15,10 @@ from scheduler.errors import ContextNotFound, ManifestError, PrefixIndexError
 from scheduler.geometry import KVGeometry
 from scheduler.index import PrefixIndex
 from scheduler.layout import chunk_object_key, index_key, manifest_key
-from scheduler.loader import KVRequest, PrefixLoader
+from scheduler.loader import PrefixLoader
 from scheduler.manifest import Manifest
 from scheduler.prefix import make_fingerprint
+from scheduler.prefix_load import KVRequest
 from scheduler.profile import CostProfile
 from scheduler.stored import find_stored_prefix
 from scheduler.write_back import WriteBack
@@ -205,7 +206,6 @@ def test_write_back_after_a_lossy_prefix_stores_no_lossless(parts):
     assert set(index.chunks[keys[2]].objects) == {"medium"}  # after a lossy prefix: lossy only
     assert set(index.chunks[keys[3]].objects) == {"medium"}
     write_back.shutdown()
-
 
 
 class _Layer:

@@ -1,0 +1,59 @@
+"""What a prefix load is asked for and what it gives back: the request's terms, the target it
+writes into, and the per-chunk report (``scheduler.loader.PrefixLoader`` does the loading)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from codec import Level
+
+
+class KVTarget(Protocol):
+    """Where a prefix is loaded: the request's KV buffer, and prefill for its text chunks
+    (``scheduler.executor.LoopTarget``: on the step loop)."""
+
+    def new_kv(self, tokens: int) -> torch.Tensor: ...
+
+    def prefill_into(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class KVRequest:
+    """How one request may use stored KV."""
+
+    levels: list[Level]  # candidates, best quality first; with ``fixed``, the one named level
+    distortion: dict[str, float]  # level name -> quality loss (0 = exact); see planner
+    fixed: bool = False  # a level the client named: every chunk at it, never text
+    budget_s: float | None = None  # time from the start of the request to its first token
+    allow_text: bool = True
+
+
+@dataclass
+class ChunkReport:
+    index: int
+    tokens: int
+    source: str  # "store" or "text"
+    level: str | None
+    bytes: int = 0
+    fetch_ms: float = 0.0  # from issuing the GET to the last byte
+    decode_ms: float = 0.0  # decode and placement in the buffer
+    prefill_ms: float = 0.0  # text chunks: recompute
+    idle_ms: float = 0.0  # the pipeline waited this long for the chunk's bytes
+
+
+@dataclass
+class PrefixLoad:
+    kv: torch.Tensor | None  # (layers, 2, heads, capacity, head_dim) on the model's device
+    tokens: int = 0  # the first ``tokens`` of ``kv`` hold the prefix
+    chunks: list[ChunkReport] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+    exact: bool = True  # every loaded token's KV equals what a full prefill computes
+    bandwidth_bps: float | None = None  # bytes per second, the estimate after loading
+    planned_s: float | None = None  # the first plan's predicted time to the first token
+
+    @property
+    def stored_tokens(self) -> int:
+        return sum(c.tokens for c in self.chunks if c.source == "store")
