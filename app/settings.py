@@ -125,7 +125,9 @@ class Settings(BaseSettings):
 
     # stored KV lifecycle (scheduler/lifecycle.py)
     store_max_bytes: int | None = Field(
-        None, ge=1, description="cap on the store's size: whole contexts are evicted, least recently used first"
+        None,
+        ge=1,
+        description="cap on the store's size: whole contexts are evicted, least recently used first",
     )
     gc_interval_s: float | None = Field(
         None, gt=0, description="run the garbage collector (python -m app gc) in the gateway this often"
