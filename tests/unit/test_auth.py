@@ -98,3 +98,14 @@ def test_the_rank_test_of_the_timing_benchmark():
     u, p = mann_whitney([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
     assert u == 0 and 0.04 < p < 0.06  # scipy (normal approximation, no continuity correction): 0.0495
     assert mann_whitney([float(v) for v in range(50)], [v + 100.0 for v in range(50)])[1] < 1e-15
+
+
+def test_keys_come_from_the_variable_and_the_file(tmp_path):
+    from app.settings import Settings
+
+    path = tmp_path / "keys.txt"
+    path.write_text("# the ops team\nfile-key-1\n\n  file-key-2  \n")
+    settings = Settings(api_key="env-key-1,env-key-2", api_key_file=path)
+    assert settings.api_keys() == ["env-key-1", "env-key-2", "file-key-1", "file-key-2"]
+    assert "env-key-1" not in repr(settings) and "env-key-1" not in str(settings.model_dump())
+    assert Settings().api_keys() == []
