@@ -9,11 +9,20 @@ Credentials are switched on by putting AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY
 in the server's own environment at start; the bucket auto-creation that
 SeaweedFS does for admin identities is switched off, so a missing bucket stays
 missing (tests rely on that).
+
+Ready means ready for what a test does next: after a (re)start, S3 has written
+and read an object and the master knows every volume the volume server holds
+(S3 answers before the volume server's first full heartbeat; until then the
+filer cannot find old volumes: "volume 3 not found" in weed.log); a new bucket
+has taken a write (its volume is grown) before a test gets it. The helpers' own
+S3 client retries transient errors patiently; the stores under test keep their
+own timeouts.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import secrets
 import shutil
@@ -22,6 +31,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from types import TracebackType
 
@@ -32,8 +42,14 @@ from botocore.exceptions import BotoCoreError, ClientError
 REGION = "us-east-1"
 _COMPONENTS = ("master", "volume", "filer", "s3", "admin")
 _GRPC_OFFSET = 10000
-_PORT_RANGE = (20000, 45000)
+_PORT_FLOOR = 10000
 _PR_SET_PDEATHSIG = 1
+# the helpers' own calls (create/delete bucket, probes): ride out a loaded machine
+_PATIENT = {
+    "connect_timeout": 5,
+    "read_timeout": 30,
+    "retries": {"total_max_attempts": 8, "mode": "standard"},
+}
 
 
 def weed_binary() -> str | None:
@@ -49,11 +65,25 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
+def _port_range() -> tuple[int, int]:
+    """Below the kernel's ephemeral range, both halves of each pair: a port from that range can be
+    handed to any outgoing connection, or to another test's ``free_port()``, between the moment it
+    is picked here and the moment weed binds it (after a restart too, on the same ports)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    if low - _GRPC_OFFSET - _PORT_FLOOR < 2000:  # an unusual range: fall back to a wide one
+        return (20000, 45000)
+    return (_PORT_FLOOR, low - _GRPC_OFFSET)
+
+
 def _pick_port_pairs(count: int) -> list[int]:
     rng = secrets.SystemRandom()
+    span = _port_range()
     chosen: list[int] = []
     while len(chosen) < count:
-        port = rng.randrange(*_PORT_RANGE)
+        port = rng.randrange(*span)
         taken = {p for c in chosen for p in (c, c + _GRPC_OFFSET)}
         if port in taken or port + _GRPC_OFFSET in taken:
             continue
@@ -121,6 +151,7 @@ class SeaweedServer:
         }
 
     def client(self, **config: object):  # -> botocore S3 client
+        """An S3 client on this server; ``config`` as botocore's ``Config`` (timeouts, retries)."""
         return boto3.client(
             "s3",
             endpoint_url=self.endpoint_url,
@@ -152,7 +183,9 @@ class SeaweedServer:
                 start_new_session=True, preexec_fn=_die_with_parent,
             )
         try:
-            self._wait_until_ready()
+            deadline = time.monotonic() + self.start_timeout
+            self._wait_until_ready(deadline)
+            self._wait_for_volumes(deadline)
         except BaseException:
             self.stop()
             raise
@@ -178,8 +211,7 @@ class SeaweedServer:
             flags += [f"-{name}.port={p[name]}", f"-{name}.port.grpc={p[name] + _GRPC_OFFSET}"]
         return flags
 
-    def _wait_until_ready(self) -> None:
-        deadline = time.monotonic() + self.start_timeout
+    def _wait_until_ready(self, deadline: float) -> None:
         client = self.client(connect_timeout=1, read_timeout=2, retries={"max_attempts": 1})
         last_error: Exception | None = None
         while time.monotonic() < deadline:
@@ -200,6 +232,28 @@ class SeaweedServer:
                 last_error = exc
                 time.sleep(0.2)
         raise TimeoutError(f"S3 on {self.endpoint_url} not ready after {self.start_timeout}s: {last_error}")
+
+    def _wait_for_volumes(self, deadline: float) -> None:
+        """Until the master lists every volume the volume server holds: after a restart the S3 probe
+        passes on a newly grown volume while the master may not know the old ones yet."""
+        held: set[int] = set()
+        known: set[int] = set()
+        while time.monotonic() < deadline:
+            try:
+                held = set(_volume_ids(self._get_json("volume", "/status").get("Volumes", [])))
+                known = set(_volume_ids(self._get_json("master", "/vol/status")))
+                if held <= known:
+                    return
+            except (OSError, ValueError, AttributeError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(
+            f"master of {self.endpoint_url} still misses volumes {sorted(held - known)} after {self.start_timeout}s"
+        )
+
+    def _get_json(self, component: str, path: str):  # -> parsed JSON
+        with urllib.request.urlopen(f"http://127.0.0.1:{self._ports[component]}{path}", timeout=2) as response:
+            return json.load(response)
 
     def _log_tail(self, lines: int = 30) -> str:
         try:
@@ -245,13 +299,22 @@ class SeaweedServer:
     # -- buckets -----------------------------------------------------------
 
     def create_bucket(self, name: str | None = None) -> str:
+        """A new, empty bucket that has taken a write: SeaweedFS grows a volume for each bucket on
+        its first write, and a store under test with tight timeouts should not pay for that."""
         name = name or "test-" + secrets.token_hex(6)
-        self.client().create_bucket(Bucket=name)
+        client = self.client(**_PATIENT)
+        probe = ".bucket-ready"
+        try:
+            client.create_bucket(Bucket=name)
+            client.put_object(Bucket=name, Key=probe, Body=b"ready")
+            client.delete_object(Bucket=name, Key=probe)
+        except (BotoCoreError, ClientError) as exc:
+            raise RuntimeError(f"bucket {name} on {self.endpoint_url}: {exc}\n{self._log_tail()}") from exc
         return name
 
     def delete_bucket(self, name: str) -> None:
         """Delete a bucket and everything in it; a bucket that is already gone is fine."""
-        client = self.client()
+        client = self.client(**_PATIENT)
         try:
             for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
                 keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
@@ -260,7 +323,7 @@ class SeaweedServer:
             client.delete_bucket(Bucket=name)
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") != "NoSuchBucket":
-                raise
+                raise RuntimeError(f"delete bucket {name}: {exc}\n{self._log_tail()}") from exc
 
     # -- context manager ---------------------------------------------------
 
@@ -272,3 +335,13 @@ class SeaweedServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _volume_ids(status: object) -> list[int]:
+    """Every volume ``Id`` in the master's ``/vol/status`` answer (nested by data center, rack, node)."""
+    if isinstance(status, dict):
+        own = [status["Id"]] if isinstance(status.get("Id"), int) else []
+        return own + [i for value in status.values() for i in _volume_ids(value)]
+    if isinstance(status, list):
+        return [i for item in status for i in _volume_ids(item)]
+    return []
