@@ -59,6 +59,19 @@ def _to_out(value, dtype: tl.constexpr):
 
 
 @triton.jit
+def _refill(x, pos, err, lanes, end, words_ptr):
+    """Renormalise the state of ``lanes``: a lane below ``STATE_LOW`` takes its stream's next
+    16-bit word; one whose stream has no word left fails with ``ERR_OVERRUN``."""
+    need = lanes & (x < STATE_LOW)
+    take = need & (pos < end)
+    word = tl.load(words_ptr + pos, mask=take, other=0).to(tl.uint32)
+    x = tl.where(take, (x << 16) | word, x)
+    pos = tl.where(take, pos + 1, pos)
+    err = tl.where(need & ~take, ERR_OVERRUN, err)
+    return x, pos, err
+
+
+@triton.jit
 def rans_dequant(
     words_ptr,  # uint16: the words of every stream of the batch
     desc_ptr,  # int64 (streams, STREAM_FIELDS)
@@ -103,24 +116,14 @@ def rans_dequant(
         freq = (freq_cum & 0xFFFF).to(tl.uint32)
         cum = (freq_cum >> 16).to(tl.uint32)
         x = tl.where(act, freq * (x >> PROB_BITS) + slot - cum, x)
-        need = act & (x < STATE_LOW)
-        take = need & (pos < end)
-        word = tl.load(words_ptr + pos, mask=take, other=0).to(tl.uint32)
-        x = tl.where(take, (x << 16) | word, x)
-        pos = tl.where(take, pos + 1, pos)
-        err = tl.where(need & ~take, ERR_OVERRUN, err)
+        x, pos, err = _refill(x, pos, err, act, end, words_ptr)
         esc = act & (err == 0) & (sym == ESCAPE)
         raw = tl.zeros([BLOCK], dtype=tl.int32)
         for _ in tl.static_range(2):  # the residual as int16, high byte first, uniform bytes
             slot = x & (PROB_SCALE - 1)
             byte = slot >> BYTE_SHIFT
             x = tl.where(esc, (x >> PROB_BITS) * 64 + slot - byte * 64, x)
-            need = esc & (x < STATE_LOW)
-            take = need & (pos < end)
-            word = tl.load(words_ptr + pos, mask=take, other=0).to(tl.uint32)
-            x = tl.where(take, (x << 16) | word, x)
-            pos = tl.where(take, pos + 1, pos)
-            err = tl.where(need & ~take, ERR_OVERRUN, err)
+            x, pos, err = _refill(x, pos, err, esc, end, words_ptr)
             raw = (raw << 8) | byte.to(tl.int32)
         residual = tl.where(sym == ESCAPE, raw - tl.where(raw >= 32768, 65536, 0), sym - BIAS)
         value = (fc >> 8) + residual  # the centre: an arithmetic shift keeps its sign
