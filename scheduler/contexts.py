@@ -17,7 +17,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -261,11 +261,18 @@ def update_index(
         store.put(key, index.to_bytes())
 
 
-def read_manifests(store: ObjectStore) -> list[Manifest]:
-    """Every readable manifest in the store: all models and tenants, expired or not."""
+def read_manifests(store: ObjectStore, known: Mapping[str, Manifest] | None = None) -> list[Manifest]:
+    """Every readable manifest in the store: all models and tenants, expired or not.
+
+    ``known``: manifests the caller read moments ago, by id; those still
+    listed are taken from it instead of being read again."""
     found = []
     for info in store.list(MANIFEST_PREFIX):
-        if context_id_from_manifest_key(info.key) is None:
+        ctx_id = context_id_from_manifest_key(info.key)
+        if ctx_id is None:
+            continue
+        if known is not None and ctx_id in known:
+            found.append(known[ctx_id])
             continue
         try:
             found.append(Manifest.from_bytes(store.get(info.key)))
@@ -274,18 +281,25 @@ def read_manifests(store: ObjectStore) -> list[Manifest]:
     return found
 
 
-def remove_context(store: ObjectStore, manifest: Manifest, pool: ThreadPoolExecutor | None = None) -> int:
+def remove_context(
+    store: ObjectStore,
+    manifest: Manifest,
+    pool: ThreadPoolExecutor | None = None,
+    known: Mapping[str, Manifest] | None = None,
+) -> int:
     """Remove a context, and those of its chunks no other live context uses; returns the bytes freed.
 
     The manifest goes first, so the context disappears at once; then the
     index forgets the doomed chunks (so no reader plans with them), then
-    their objects go. Chunks a shared prefix still needs are kept.
+    their objects go. Chunks a shared prefix still needs are kept. The
+    manifests are listed again here (one written since the caller read them
+    keeps its chunks); ``known`` saves reading again those already read.
     """
     store.delete(manifest_key(manifest.id))
     now = time.time()
     still_used = {
         key
-        for other in read_manifests(store)
+        for other in read_manifests(store, known)
         if other.id != manifest.id and not other.expired(now)
         for key in other.stored_keys
     }

@@ -139,10 +139,11 @@ class StoreCollector:
 
         cap = self.max_bytes
         assert cap is not None
+        known = {m.id: m for m in live}  # read at the start of this pass: each removal lists, not re-reads
         for manifest in sorted(live, key=order):
             if report.store_bytes <= cap:
                 break
-            freed = remove_context(self.store, manifest)
+            freed = remove_context(self.store, manifest, known=known)
             report.evicted_contexts.append(manifest.id)
             report.evicted_bytes += freed
             report.store_bytes -= freed
