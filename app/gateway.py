@@ -30,6 +30,7 @@ from app.threads import configure_threads, thread_budget, worker_initializer
 from codec import Level, level_by_name
 from codec.levels import default_level_table, load_level_table
 from engine import ModelRunner, load_model
+from engine.identity import model_identity
 from engine.sampling import SamplingParams
 from scheduler.codec_gate import CodecGate
 from scheduler.contexts import ContextStore
@@ -40,7 +41,7 @@ from scheduler.kv_memory import KVMemory
 from scheduler.lifecycle import CollectReport, StoreCollector
 from scheduler.loader import PrefixLoader
 from scheduler.planner import TEXT
-from scheduler.prefix import make_fingerprint, weights_digest
+from scheduler.prefix import make_fingerprint
 from scheduler.prefix_load import KVRequest
 from scheduler.profile import load_or_measure, profile_key, profile_path
 from scheduler.step_loop import StepLoop
@@ -469,12 +470,14 @@ def build_gateway(settings: Settings) -> Gateway:
             settings.max_model_len,
             runner.max_context,
         )
-    tokenizer = loaded.tokenizer
-    vocab = sorted(tokenizer.get_vocab().items())
+    identity = model_identity(
+        loaded.model, loaded.tokenizer.get_vocab(), loaded.weights_dir, settings.cache_dir
+    )
     fingerprint = make_fingerprint(
-        weights=weights_digest(loaded.model.named_parameters()),
-        config=loaded.model.config.to_dict(),
-        vocabulary=str(vocab),
+        weights=identity.weights,
+        config=identity.config,
+        dtype=identity.dtype,
+        vocabulary=identity.vocabulary,
         chunk_size=settings.chunk_size,
     )
     store = open_store(settings.store_url, cache_bytes=settings.store_cache_bytes)

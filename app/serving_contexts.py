@@ -9,11 +9,13 @@ from app.errors import InvalidRequest
 from app.gateway import Gateway
 from app.protocol import ContextRequest
 from codec import Level
+from scheduler.contexts import StoredPieces
 from scheduler.manifest import Manifest
 from scheduler.tenancy import PUBLIC, KeySpace
 
 
-def context_object(manifest: Manifest) -> dict[str, Any]:
+def context_object(manifest: Manifest, encoded: bool | None = None) -> dict[str, Any]:
+    """The API's context object; ``encoded`` (POST only): whether this call encoded anything."""
     obj: dict[str, Any] = {
         "id": manifest.id,
         "object": "context",
@@ -27,6 +29,10 @@ def context_object(manifest: Manifest) -> dict[str, Any]:
         "encode_seconds": manifest.encode_seconds,
         "expires_at": manifest.expires,  # Unix time; null: pinned
     }
+    if encoded is not None:
+        obj["encoded"] = encoded
+        if not encoded:
+            obj["encode_seconds"] = 0.0  # no new work; GET /contexts/{id} reports the original encode
     warning = unstored_warning(manifest.tokens, manifest.cached_tokens, manifest.chunk_size)
     if warning is not None:
         obj["warning"] = warning
@@ -66,9 +72,15 @@ def context_token_ids(gateway: Gateway, request: ContextRequest) -> list[int]:
 
 
 def encode_tokens(
-    gateway: Gateway, token_ids: list[int], levels: list[Level], space: KeySpace, ttl_seconds: int | None
+    gateway: Gateway,
+    token_ids: list[int],
+    levels: list[Level],
+    space: KeySpace,
+    ttl_seconds: int | None,
+    stored: StoredPieces,
 ) -> Manifest:
-    """Prefill on the step loop, as background work in chunks, then encode and store here.
+    """Prefill on the step loop, as background work in chunks, then encode and store here what
+    ``stored`` lists as missing.
 
     Runs on a prepare thread: the model thread only sees the prefill chunks, so
     running streams keep their pace while a context is pre-encoded.
@@ -81,7 +93,13 @@ def encode_tokens(
         gateway.loop.prefill(kv, 0, token_ids, background=True)
         compute_seconds = time.perf_counter() - started
         manifest = gateway.contexts.save(
-            token_ids, kv, levels, compute_seconds=compute_seconds, space=space, ttl_seconds=ttl_seconds
+            token_ids,
+            kv,
+            levels,
+            compute_seconds=compute_seconds,
+            space=space,
+            ttl_seconds=ttl_seconds,
+            stored=stored,
         )
     finally:
         gateway.memory.release(nbytes)
@@ -107,12 +125,29 @@ async def create_context(
             param=request.source,
             code="context_too_short",
         )
-    # a store that cannot answer fails the request now, not after a long prefill
-    await _io(gateway, gateway.contexts.exists, gateway.contexts.context_id(token_ids, space))
+    # what is stored already (a store that cannot answer fails the request now, not after a prefill)
+    stored = await _io(gateway, gateway.contexts.stored_pieces, token_ids, levels, space)
+    if stored.complete:
+        previous = stored.manifest
+        if previous is not None and not _outlives(request.ttl_seconds, previous):
+            return context_object(previous, encoded=False)
+        # every chunk is there (another replica's encode, write-back, or a longer TTL asked for):
+        # record the context without a prefill
+        manifest = await _io(
+            gateway, gateway.contexts.save, token_ids, None, levels, 0.0, space, request.ttl_seconds, stored
+        )
+        return context_object(manifest, encoded=False)
     manifest = await gateway.admission.call(
-        encode_tokens, gateway, token_ids, levels, space, request.ttl_seconds
+        encode_tokens, gateway, token_ids, levels, space, request.ttl_seconds, stored
     )
-    return context_object(manifest)
+    return context_object(manifest, encoded=True)
+
+
+def _outlives(ttl_seconds: int | None, manifest: Manifest) -> bool:
+    """Whether a save with ``ttl_seconds`` now would extend ``manifest``'s life."""
+    if manifest.expires is None:
+        return False
+    return ttl_seconds is None or time.time() + ttl_seconds > manifest.expires
 
 
 async def get_context(gateway: Gateway, context_id: str, space: KeySpace = PUBLIC) -> dict[str, Any]:

@@ -37,9 +37,10 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str  # the id clients use in the "model" field
-    source: str  # where the weights came from, for fingerprints and logs
+    source: str  # where the weights came from, for logs
     device: torch.device
     dtype: torch.dtype
+    weights_dir: Path | None = None  # the local directory of the weight files, when there is one
 
 
 def default_cache_dir() -> Path:
@@ -130,4 +131,18 @@ def load_model(
         source=path,
         device=dev,
         dtype=next(model.parameters()).dtype,
+        weights_dir=_local_dir(path),
     )
+
+
+def _local_dir(reference: str) -> Path | None:
+    """The directory that holds ``reference``'s files: itself, or a hub id's snapshot in the HF cache."""
+    if Path(reference).is_dir():
+        return Path(reference)
+    try:
+        from transformers.utils import cached_file
+
+        found = cached_file(reference, "config.json", local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    return Path(found).parent if found else None

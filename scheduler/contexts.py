@@ -27,7 +27,7 @@ import torch
 
 from codec import Level, encode_chunk, level_digest
 from scheduler.errors import ContextNotFound, ManifestError, PrefixIndexError
-from scheduler.index import ChunkEntry, PrefixIndex, StoredObject, TailEntry
+from scheduler.index import ChunkEntry, PrefixIndex, StoredObject, TailEntry, later
 from scheduler.layout import (
     MANIFEST_PREFIX,
     chunk_dir,
@@ -47,6 +47,26 @@ from storage import ObjectNotFound, ObjectStore, StorageError
 TOUCH_INTERVAL_S = 60.0
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoredPieces:
+    """What the store already holds of a context, before it is (re-)encoded.
+
+    A piece is a full chunk or the tail, named by its key. ``present`` is what
+    a save can keep (its objects exist, at this gateway's level digests),
+    ``missing`` what it must encode; ``manifest`` is the context's own record
+    when there is one (this model's, this tenant's, not expired)."""
+
+    keys: list[str]
+    tail: Tail | None
+    present: dict[str, dict[str, StoredObject]]
+    missing: dict[str, list[Level]]
+    manifest: Manifest | None
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
 
 
 @dataclass(frozen=True)
@@ -91,6 +111,45 @@ class ContextStore:
             return None
         return Tail(tail_key(keys[-1], token_ids[start:]), start, len(token_ids) - start)
 
+    def stored_pieces(
+        self, token_ids: Sequence[int], levels: Sequence[Level], space: KeySpace = PUBLIC
+    ) -> StoredPieces:
+        """Which of the context's pieces are stored at which of ``levels``: one GET of the manifest
+        and of the index, one LIST per piece (an object the index lists may have been deleted)."""
+        keys = self.keys(token_ids, space)
+        tail = self.tail(token_ids, keys)
+        pieces = [*keys, *([tail.key] if tail is not None else [])]
+        try:
+            manifest: Manifest | None = self.get(self.context_id(token_ids, space), space)
+        except ContextNotFound:
+            manifest = None
+        listed: dict[str, StoredObject] = {}
+        if keys:
+            try:
+                index = PrefixIndex.from_bytes(self.store.get(index_key(keys[0])))
+            except (ObjectNotFound, PrefixIndexError):
+                index = None
+            if index is not None and index.fingerprint == self.fingerprint.hex:
+                entries = {**index.chunks, **index.tails}
+                for key in pieces:
+                    if key in entries:
+                        for name, obj in entries[key].objects.items():
+                            listed[chunk_object_key(key, name, obj.digest)] = obj
+        on_store = [
+            {info.key for info in objects}
+            for objects in self.pool.map(lambda key: list(self.store.list(chunk_dir(key))), pieces)
+        ]
+        present: dict[str, dict[str, StoredObject]] = {}
+        missing: dict[str, list[Level]] = {}
+        for key, names in zip(pieces, on_store, strict=True):
+            for level in levels:
+                object_key = chunk_object_key(key, level.name, level_digest(level))
+                if object_key in names and object_key in listed:
+                    present.setdefault(key, {})[level.name] = listed[object_key]
+                else:
+                    missing.setdefault(key, []).append(level)
+        return StoredPieces(keys, tail, present, missing, manifest)
+
     def save_chunks(
         self,
         keys: Sequence[str],
@@ -99,10 +158,12 @@ class ContextStore:
         first: int = 0,
         tail: Tail | None = None,
         expires: int | None = None,
+        stored: StoredPieces | None = None,
     ) -> dict[str, int]:
         """Encode and store chunks ``first..len(keys)`` of ``kv`` (which starts at chunk 0), and
         ``tail``; then add them to the prefix index, live until ``expires`` (None: no limit).
-        Returns the bytes written per level."""
+        With ``stored``, only its missing pieces are encoded; its present ones are kept (``kv``
+        may then be None when nothing is missing). Returns the bytes per level of all pieces."""
         level_bytes = {level.name: 0 for level in levels}
         pieces = [(keys[i], i * self.chunk_size, self.chunk_size) for i in range(first, len(keys))]
         if tail is not None:
@@ -110,8 +171,15 @@ class ContextStore:
         uploads = []
         written: dict[str, dict[str, StoredObject]] = {}
         for key, start, tokens in pieces:
+            kept = {} if stored is None else stored.present.get(key, {})
+            for name, obj in kept.items():
+                level_bytes[name] += obj.bytes
+                written.setdefault(key, {})[name] = obj
+            to_encode = [level for level in levels if level.name not in kept]
+            if not to_encode:
+                continue
             chunk = kv[:, :, :, start : start + tokens]
-            for level in levels:
+            for level in to_encode:
                 with self.codec_gate:
                     data = encode_chunk(chunk, level)
                 digest = level_digest(level)
@@ -146,21 +214,30 @@ class ContextStore:
     def save(
         self,
         token_ids: Sequence[int],
-        kv: torch.Tensor,
+        kv: torch.Tensor | None,
         levels: Sequence[Level],
         compute_seconds: float,
         space: KeySpace = PUBLIC,
         ttl_seconds: int | None = None,
+        stored: StoredPieces | None = None,
     ) -> Manifest:
         """Encode and store each full chunk of ``kv`` and its tail at each level; the manifest goes last.
 
-        With ``ttl_seconds`` the context expires that long after this call; without, it is pinned."""
+        With ``ttl_seconds`` the context expires that long after this call; without, it is pinned.
+        With ``stored`` (``stored_pieces``), what it lists as present is kept, not encoded again; a
+        context already recorded keeps its creation time, and the later of the two expiries
+        (pinned outlives any TTL), so a repeated save never shortens a context's life."""
         started = time.perf_counter()
         created = int(time.time())
         expires = None if ttl_seconds is None else created + ttl_seconds
+        previous = None if stored is None else stored.manifest
+        if previous is not None:
+            created, expires = previous.created, later(previous.expires, expires)
         keys = self.keys(token_ids, space)
         tail = self.tail(token_ids, keys)
-        level_bytes = self.save_chunks(keys, kv, levels, tail=tail, expires=expires)
+        level_bytes = self.save_chunks(keys, kv, levels, tail=tail, expires=expires, stored=stored)
+        if previous is not None:  # levels stored before and not asked for now stay listed
+            level_bytes = {**previous.level_bytes, **level_bytes}
         manifest = Manifest(
             id=self.context_id(token_ids, space),
             model=self.model_name,
@@ -179,10 +256,6 @@ class ContextStore:
         self.store.put(manifest_key(manifest.id), manifest.to_bytes())
         return manifest
 
-    def exists(self, ctx_id: str) -> bool:
-        """Whether the manifest is stored (raises StorageError when the store cannot say)."""
-        return self.store.head(manifest_key(ctx_id)) is not None
-
     def get(self, ctx_id: str, space: KeySpace = PUBLIC) -> Manifest:
         """The context, when it is ``space``'s tenant's and has not expired; else ContextNotFound."""
         if not re.fullmatch(CONTEXT_ID_PATTERN, ctx_id):
@@ -192,7 +265,13 @@ class ContextStore:
         except ObjectNotFound:
             raise ContextNotFound(ctx_id) from None
         manifest = Manifest.from_bytes(data)
-        if manifest.tenant != space.tenant or manifest.expired(time.time()):
+        if (
+            manifest.tenant != space.tenant
+            or manifest.expired(time.time())
+            # another model's context (or chunk size) is not one a request here would reuse
+            or manifest.fingerprint != self.fingerprint.hex
+            or manifest.chunk_size != self.chunk_size
+        ):
             raise ContextNotFound(ctx_id)  # the same answer as for an id never stored
         return manifest
 

@@ -1,10 +1,12 @@
 """Chunk keys: content addresses for the KV of a run of leading tokens.
 
 Chunk ``i``'s key is ``sha256(key[i-1] || token ids of chunk i)``, rooted in
-a fingerprint of everything that decides what the KV bytes are: the model's
-weights and config, the tokenizer's vocabulary, the chunk size, and the
-storage format version. Nothing process-specific (Python's ``hash``, object
-ids, paths) goes in, so every process on every machine derives the same keys.
+a fingerprint of everything that decides what the KV bytes are: the content of
+the model's weights, its config and dtype, the tokenizer's vocabulary
+(``engine.identity``), the chunk size, and the storage and codec format
+versions. Nothing process-specific (Python's ``hash``, object ids, paths,
+hosts) goes in, so every process on every machine derives the same keys, and
+replicas whose model files sit at different paths share every stored chunk.
 
 A salt (``KeySpace``, scheduler/tenancy.py) is mixed into the root: chains of
 different salts share no key, so a request never reads, or learns of, KV
@@ -15,19 +17,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from codec import FORMAT_VERSION as CODEC_FORMAT_VERSION
 
 # Bump when the meaning of stored objects changes (key derivation, object layout).
 # 2: level digests in object names, a per-prefix index, stored context tails.
-STORAGE_FORMAT_VERSION = 2
-
-_WEIGHT_SAMPLES_PER_TENSOR = 4096
+# 3: the root hashes the weights' content and the KV-relevant config, never a path (engine/identity.py).
+STORAGE_FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -41,30 +41,19 @@ class Fingerprint:
         return self.digest.hex()
 
 
-def weights_digest(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """Names, shapes and an evenly strided sample of every parameter.
-
-    Hashing all weights would add seconds to start-up; a strided sample of
-    each tensor tells apart any two checkpoints that differ in more than a
-    handful of values, which is what separates real fine-tunes.
-    """
-    h = hashlib.sha256()
-    for name, param in named_parameters:
-        flat = param.detach().reshape(-1)
-        step = max(1, flat.numel() // _WEIGHT_SAMPLES_PER_TENSOR)
-        sample = flat[::step][:_WEIGHT_SAMPLES_PER_TENSOR].to("cpu", torch.float32).numpy()
-        h.update(f"{name}:{tuple(param.shape)}".encode())
-        h.update(np.ascontiguousarray(sample).tobytes())
-    return h.hexdigest()
-
-
-def make_fingerprint(*, weights: str, config: dict, vocabulary: str, chunk_size: int) -> Fingerprint:
+def make_fingerprint(
+    *, weights: str, config: dict, vocabulary: str, chunk_size: int, dtype: str = ""
+) -> Fingerprint:
+    """The root of every key: the model's identity (``engine.identity``), the chunk size and the
+    formats. Levels are not in it: each stored object's name carries its level's digest
+    (``scheduler.layout``), so a new level table keeps the lossless chunks and unchanged levels."""
     payload = json.dumps(
         {
             "format": STORAGE_FORMAT_VERSION,
             "codec_format": CODEC_FORMAT_VERSION,  # a new bitstream version starts a new key space
             "weights": weights,
             "config": config,
+            "dtype": dtype,
             "vocabulary": vocabulary,
             "chunk_size": chunk_size,
         },

@@ -6,9 +6,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from scheduler.prefix import chunk_keys, context_id, make_fingerprint, weights_digest
+from scheduler.prefix import chunk_keys, context_id, make_fingerprint
 
 
 def fingerprint(chunk_size: int = 4, weights: str = "w"):
@@ -61,10 +60,3 @@ def test_keys_are_identical_in_another_process():
         env={"PYTHONHASHSEED": "123"},
     )
     assert out.stdout.strip().split(",") == chunk_keys(fingerprint(), list(range(12)), 4)
-
-
-def test_weights_digest_sees_a_changed_weight():
-    params = [("a", torch.arange(10000, dtype=torch.float32)), ("b", torch.ones(3, 3))]
-    before = weights_digest(params)
-    params[0][1][0] += 1.0  # the first element is always in the strided sample
-    assert weights_digest(params) != before
