@@ -57,6 +57,9 @@ SETTINGS_FLAGS = (
         type=int,
         metavar="TOKENS",
     ),
+    SettingsFlag(
+        "--dtype", "dtype", "auto (float32 on a CPU, the model's own on a GPU), float32, bfloat16, float16"
+    ),
     SettingsFlag("--api-key", "api_key", "clients must send 'Authorization: Bearer KEY'", metavar="KEY"),
     SettingsFlag("--store", "store", "KV store: file:///dir, memory:// or s3://bucket/prefix", metavar="URL"),
 )

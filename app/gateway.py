@@ -41,7 +41,8 @@ from scheduler.kv_memory import KVMemory
 from scheduler.lifecycle import CollectReport, StoreCollector
 from scheduler.loader import PrefixLoader
 from scheduler.planner import TEXT
-from scheduler.prefix import make_fingerprint
+from scheduler.prefix import chain_root, make_fingerprint
+from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_load import KVRequest
 from scheduler.profile import load_or_measure, profile_key, profile_path
 from scheduler.step_loop import StepLoop
@@ -257,7 +258,12 @@ class Gateway:
         if request.n == 1:
             return [job]
         seeds = [None if request.seed is None else request.seed + i for i in range(request.n)]
-        return [replace(job, sampling=replace(job.sampling, seed=seed)) for seed in seeds]
+        jobs = [replace(job, sampling=replace(job.sampling, seed=seed)) for seed in seeds]
+        if self.settings.prefix_cache and job.kv is not None:
+            # the first choice prefills the prompt; the others find it in memory (scheduler/executor.py)
+            ready = threading.Event()
+            jobs = [replace(jobs[0], prompt_ready=ready), *(replace(j, after=ready) for j in jobs[1:])]
+        return jobs
 
     def _job(
         self, request: GenerationRequest, prompt_ids: list[int], max_tokens: int | None, **extra: Any
@@ -313,6 +319,7 @@ class Gateway:
         if prompt is not None:
             info = prompt.kv_info
             m.prompt_tokens.inc(info.recomputed_tokens)
+            m.memory_prefix_hits.inc(info.memory_tokens)
             for fault in info.faults:
                 m.kv_store_faults.labels(fault).inc()
             if info.chunks:
@@ -345,6 +352,7 @@ def kv_cache_info(report: PrefixReport) -> dict[str, Any]:
     """The response's ``kv_cache_info`` extension object."""
     return KVCacheInfo(
         cached_tokens=report.cached_tokens,
+        memory_tokens=report.memory_tokens,
         recomputed_tokens=report.recomputed_tokens,
         chunks=[KVChunkInfo(**vars(c)) for c in report.chunks],
         load_ms=report.load_ms,
@@ -462,6 +470,7 @@ def build_gateway(settings: Settings) -> Gateway:
         device=settings.device,
         cache_dir=settings.cache_dir,
         served_name=settings.served_model_name,
+        dtype=settings.dtype,
     )
     runner = ModelRunner(loaded)
     if settings.max_model_len and settings.max_model_len > runner.max_context:
@@ -521,11 +530,16 @@ def build_gateway(settings: Settings) -> Gateway:
             on_done=lambda outcome: metrics.write_backs.labels(outcome).inc(),
             initializer=worker_threads,
         )
-    memory = KVMemory(settings.kv_memory_bytes)
+    cache = PrefixCache(lambda space: chain_root(fingerprint, space.salt)) if settings.prefix_cache else None
+    memory = KVMemory(settings.kv_memory_bytes, reclaim=cache.reclaim if cache is not None else None)
     admission = Admission(settings.max_queue, max(2, min(8, settings.max_num_seqs)), worker_threads)
     metrics.running.set_function(lambda: loop.running)
     metrics.waiting.set_function(lambda: max(0, admission.admitted - loop.running))
     metrics.kv_memory_used.set_function(lambda: memory.used)
+    metrics.kv_memory_budget.set(settings.kv_memory_bytes)
+    if cache is not None:
+        metrics.memory_prefix_bytes.set_function(lambda: cache.cached_bytes)
+        metrics.memory_prefix_evictions.set_function(lambda: cache.stats.evicted_runs)
     log.info(
         "serving %s on %s (%s), KV store %s, fingerprint %s; threads: torch %d, codec %d",
         loaded.name,
@@ -541,7 +555,7 @@ def build_gateway(settings: Settings) -> Gateway:
         runner=runner,
         store=store,
         contexts=contexts,
-        executor=RequestExecutor(runner, contexts, loader, loop, memory, write_back),
+        executor=RequestExecutor(runner, contexts, loader, loop, memory, write_back, cache),
         admission=admission,
         loop=loop,
         memory=memory,

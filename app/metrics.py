@@ -42,6 +42,19 @@ class Metrics:
         self.prefix_hits = Counter(
             "cachegen:prefix_cache_hits", "Prompt tokens whose KV came from the store.", registry=r
         )
+        self.memory_prefix_hits = Counter(
+            "cachegen:memory_prefix_cache_hits",
+            "Prompt tokens whose KV was copied from memory (the prefix cache of computed KV).",
+            registry=r,
+        )
+        self.memory_prefix_bytes = Gauge(
+            "cachegen:memory_prefix_cache_bytes",
+            "KV memory held by the prefix cache (finished requests' buffers; evicted when needed).",
+            registry=r,
+        )
+        self.memory_prefix_evictions = Gauge(
+            "cachegen:memory_prefix_cache_evicted_runs", "Cached buffers evicted so far.", registry=r
+        )
         self.kv_bytes_loaded = Counter(
             "cachegen:kv_bytes_loaded", "Encoded KV bytes fetched from the store.", ["level"], registry=r
         )
@@ -90,7 +103,12 @@ class Metrics:
         self.contexts_encoded = Counter("cachegen:contexts_encoded", "Contexts pre-encoded.", registry=r)
         self.running = Gauge("cachegen:num_requests_running", "Requests on the model.", registry=r)
         self.kv_memory_used = Gauge(
-            "cachegen:kv_memory_used_bytes", "KV memory reserved by requests in flight.", registry=r
+            "cachegen:kv_memory_used_bytes",
+            "KV memory reserved by requests in flight and by the prefix cache.",
+            registry=r,
+        )
+        self.kv_memory_budget = Gauge(
+            "cachegen:kv_memory_budget_bytes", "The KV memory budget (CACHEGEN_KV_MEMORY_BYTES).", registry=r
         )
         self.waiting = Gauge("cachegen:num_requests_waiting", "Requests queued for the model.", registry=r)
         # the store's lifecycle (scheduler/lifecycle.py): garbage collection and the size cap

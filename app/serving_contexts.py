@@ -162,6 +162,9 @@ async def list_contexts(gateway: Gateway, space: KeySpace = PUBLIC) -> dict[str,
 
 async def delete_context(gateway: Gateway, context_id: str, space: KeySpace = PUBLIC) -> dict[str, Any]:
     manifest = await _io(gateway, gateway.contexts.delete, context_id, space)
+    if gateway.executor.cache is not None and manifest.chunk_keys:
+        # nor served from this gateway's memory
+        gateway.memory.release(gateway.executor.cache.forget(manifest.chunk_keys[0]))
     return {"id": manifest.id, "object": "context.deleted", "deleted": True}
 
 

@@ -57,6 +57,9 @@ class Settings(BaseSettings):
         None, ge=1, description="context window in tokens (prompt + output); default: the model's"
     )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the model's dtype; 'auto': float32 on a CPU, the model's own on a GPU"
+    )
     cache_dir: Path = Field(default_factory=default_cache_dir, description="converted models live here")
     torch_threads: int | None = Field(
         None,
@@ -104,6 +107,11 @@ class Settings(BaseSettings):
     )
     kv_memory_bytes: int = Field(
         2 * 2**30, ge=2**20, description="KV buffers of all requests in flight; admission waits beyond it"
+    )
+    prefix_cache: bool = Field(
+        True,
+        description="keep finished requests' computed KV in memory (within kv_memory_bytes) for the next "
+        "request with the same prefix",
     )
     default_max_tokens: int = Field(512, ge=1, description="chat max_tokens when the client sets none")
     log_level: Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(_lower)] = "info"

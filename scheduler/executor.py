@@ -10,7 +10,11 @@
 3. hand a ``Generation`` to the step loop, which prefills the rest of the
    prompt and generates. A request still loading holds no batch slot.
 
-The memory is released when the generation finishes, fails or is cancelled.
+Before the store, the prefix cache (``scheduler/prefix_cache.py``) is asked
+for KV already in memory; the store is read only when it could add at least
+a chunk more. A generation publishes its buffer there when its prompt is
+done, and on finishing hands its memory to the cache (which releases it
+when it holds nothing new); a failed one releases it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from scheduler.contexts import ContextStore
 from scheduler.generation import Finished, Generation, GenerationJob, PrefixReport
 from scheduler.kv_memory import KVMemory
 from scheduler.loader import PrefixLoader
-from scheduler.prefix_load import PrefixLoad
+from scheduler.prefix_cache import CachedRun, Hit, PrefixCache
+from scheduler.prefix_load import KVRequest, PrefixLoad
 from scheduler.step_loop import StepLoop
 from scheduler.stored import StoredPrefix, find_stored_prefix
 from scheduler.write_back import WriteBack
@@ -58,6 +63,7 @@ class RequestExecutor:
     loop: StepLoop
     memory: KVMemory
     write_back: WriteBack | None = None
+    cache: PrefixCache | None = None
 
     def check(self, job: GenerationJob) -> None:
         """Refuse at once a request that could never fit the KV memory budget."""
@@ -67,21 +73,45 @@ class RequestExecutor:
         return job.capacity * self.runner.kv_bytes_per_token
 
     def run(self, job: GenerationJob, emit: Callable[[Any], None], cancel: threading.Event) -> None:
-        nbytes = self.kv_bytes(job)
-        if not self.memory.reserve(nbytes, cancel):
-            emit(Finished("abort", 0))
-            return
         handed = False
         try:
-            t0 = time.perf_counter()
+            handed = self._run(job, emit, cancel)
+        finally:
+            if job.prompt_ready is not None and not handed:
+                job.prompt_ready.set()  # never reached the loop: the other choices go on alone
+
+    def _run(self, job: GenerationJob, emit: Callable[[Any], None], cancel: threading.Event) -> bool:
+        """Returns whether the generation was handed to the step loop."""
+        t0 = time.perf_counter()
+        if job.after is not None:
+            while not job.after.wait(0.05):  # the first choice's prompt, then its KV from memory
+                if cancel.is_set():
+                    emit(Finished("abort", 0))
+                    return False
+        hit = self._lookup(job)
+        # an unused cached buffer large enough for the whole request becomes its buffer: no copy
+        attached = self.cache.take(hit, job.capacity) if hit is not None and self.cache else None
+        if attached is not None:
+            kv, nbytes = attached.kv, attached.nbytes
+        else:
+            nbytes = self.kv_bytes(job)
+            if not self.memory.reserve(nbytes, cancel):
+                if hit is not None and self.cache is not None:
+                    self.cache.unpin(hit)
+                emit(Finished("abort", 0))
+                return False
             kv = self.runner.new_kv(job.capacity)
+        runs: list[CachedRun] = [attached] if attached is not None else []
+        handed = False
+        try:
             # the last prompt token is always recomputed: its logits give the first output token
             keys = self.contexts.keys(job.prompt_ids[:-1], job.key_space) if job.kv is not None else []
-            load = self._load_prefix(job, keys, LoopTarget(kv, self.loop, cancel), cancel)
+            load = self._load_prefix(job, keys, LoopTarget(kv, self.loop, cancel), cancel, hit, attached)
             budget = job.kv.budget_s if job.kv is not None else None
+            cached = load.stored_tokens + load.memory_tokens
             report = PrefixReport(
-                cached_tokens=load.stored_tokens,
-                recomputed_tokens=len(job.prompt_ids) - load.stored_tokens,
+                cached_tokens=cached,
+                recomputed_tokens=len(job.prompt_ids) - cached,
                 chunks=load.chunks,
                 load_ms=_ms(time.perf_counter() - t0),
                 prefill_ms=0.0,
@@ -89,6 +119,7 @@ class RequestExecutor:
                 bandwidth_bps=load.bandwidth_bps,
                 budget_ms=None if budget is None else _ms(budget),
                 planned_ms=None if load.planned_s is None else _ms(load.planned_s),
+                memory_tokens=load.memory_tokens,
             )
             generation = Generation(
                 job,
@@ -98,22 +129,74 @@ class RequestExecutor:
                 report,
                 emit,
                 cancel,
-                on_prefilled=lambda g: self._prefilled(g, keys, load),
-                on_finished=lambda g: self.memory.release(nbytes),
+                on_prefilled=lambda g: self._prefilled(g, keys, load, runs, nbytes),
+                on_finished=lambda g: self._finished(g, runs, nbytes),
             )
             self.loop.submit(generation)
             handed = True
         finally:
+            if hit is not None and attached is None and self.cache is not None:
+                self.cache.unpin(hit)
             if not handed:
+                if attached is not None and self.cache is not None:
+                    self.cache.release(attached, None, job.key_space)
                 self.memory.release(nbytes)
+        # after the hand-off: the request does not wait for these
+        if load.bad_chunks:
+            self.contexts.forget_chunks(keys[0], set(load.bad_chunks))
         if load.stored_tokens:
-            self.contexts.touch(keys[0])  # after the hand-off: the request does not wait for it
+            self.contexts.touch(keys[0])
+        return handed
+
+    def _lookup(self, job: GenerationJob) -> Hit | None:
+        """KV in memory for ``job``: for ``auto``, any within its levels' quality; for a level the
+        client named, only exact KV, and only when that level is lossless (a lossy level named is
+        a request for those bytes: to compare levels, say)."""
+        if self.cache is None or job.kv is None:
+            return None
+        if job.kv.fixed and not job.kv.levels[0].lossless:
+            return None
+        return self.cache.lookup(job.prompt_ids[:-1], job.key_space, _worst_distortion(job.kv))
 
     def _load_prefix(
-        self, job: GenerationJob, keys: list[str], target: LoopTarget, cancel: threading.Event
+        self,
+        job: GenerationJob,
+        keys: list[str],
+        target: LoopTarget,
+        cancel: threading.Event,
+        hit: Hit | None,
+        attached: CachedRun | None,
     ) -> PrefixLoad:
+        """Memory first, then the store when it holds at least a chunk more than memory."""
         if job.kv is None:
             return PrefixLoad(kv=None)
+        chunk = self.contexts.chunk_size
+        if hit is not None and hit.tokens + chunk > len(job.prompt_ids) - 1:  # the store cannot add a chunk
+            return self._from_memory(hit, target.kv, attached is not None)
+        load = self._load_stored(job, keys, target, cancel)
+        if hit is not None and hit.tokens + chunk > load.tokens:
+            memory = self._from_memory(hit, target.kv, attached is not None)  # over what the store wrote
+            memory.faults = load.faults
+            return memory
+        return load
+
+    def _from_memory(self, hit: Hit, kv: torch.Tensor, attached: bool) -> PrefixLoad:
+        if not attached:
+            kv[:, :, :, : hit.tokens].copy_(hit.run.kv[:, :, :, : hit.tokens])
+        return PrefixLoad(
+            kv=kv,
+            tokens=hit.tokens,
+            memory_tokens=hit.tokens,
+            exact=hit.run.distortion == 0,
+            distortion=hit.run.distortion,
+            expires=hit.run.expires,
+            store_key=hit.run.store_key,
+        )
+
+    def _load_stored(
+        self, job: GenerationJob, keys: list[str], target: LoopTarget, cancel: threading.Event
+    ) -> PrefixLoad:
+        assert job.kv is not None
         stored = StoredPrefix()
         if keys:
             stored = find_stored_prefix(
@@ -126,7 +209,7 @@ class RequestExecutor:
             )
         if not stored.chunks:
             return PrefixLoad(kv=None, faults=stored.faults)
-        return self.loader.load(
+        load = self.loader.load(
             target,
             stored,
             job.prompt_ids[:-1],
@@ -136,10 +219,40 @@ class RequestExecutor:
             cancel,
             job.capacity,
         )
+        used = {c.index for c in load.chunks if c.source == "store"}
+        load.distortion = max(
+            (job.kv.distortion.get(c.level, 0.0) for c in load.chunks if c.source == "store" and c.level),
+            default=0.0,
+        )
+        load.expires = min(
+            (c.expires for c in stored.chunks if c.index in used and c.expires is not None), default=None
+        )
+        load.store_key = keys[0] if used else None
+        return load
 
-    def _prefilled(self, generation: Generation, keys: list[str], load: PrefixLoad) -> None:
-        """On the model thread, when the prompt is done: learn its costs, start write-back."""
+    def _prefilled(
+        self, generation: Generation, keys: list[str], load: PrefixLoad, runs: list[CachedRun], nbytes: int
+    ) -> None:
+        """On the model thread, when the prompt is done: publish its KV, learn its costs, start
+        write-back."""
         job = generation.job
+        if self.cache is not None:
+            distortion = load.distortion if load.tokens else 0.0
+            if runs:  # an attached buffer: its blocks grow to the whole prompt
+                self.cache.extend(runs[0], job.prompt_ids, job.key_space)
+            else:
+                run = self.cache.publish(
+                    generation.kv,
+                    job.prompt_ids,
+                    nbytes,
+                    job.key_space,
+                    distortion,
+                    load.store_key,
+                    load.expires,
+                )
+                runs.append(run)
+            if job.prompt_ready is not None:
+                job.prompt_ready.set()
         if generation.prefill_alone:  # a step shared with others says little about prefill speed
             seconds = generation.report.prefill_ms / 1000
             self.loader.profile.observe_prefill(len(job.prompt_ids) - load.tokens, load.tokens, seconds)
@@ -149,6 +262,25 @@ class RequestExecutor:
         first = load.tokens // self.contexts.chunk_size
         if len(keys) > first:
             self.write_back.submit(keys, generation.kv, first=first, exact=load.exact)
+
+    def _finished(self, generation: Generation, runs: list[CachedRun], nbytes: int) -> None:
+        """The generation's memory goes to the prefix cache with every token it computed, or back."""
+        if generation.job.prompt_ready is not None:
+            generation.job.prompt_ready.set()
+        if self.cache is None or not runs:
+            self.memory.release(nbytes)
+            return
+        failed = generation.failed
+        freed = self.cache.release(
+            runs[0], None if failed else generation.computed_ids, generation.job.key_space
+        )
+        if freed:  # the cache keeps nothing of this buffer
+            self.memory.release(freed)
+
+
+def _worst_distortion(request: KVRequest) -> float:
+    """The most quality loss a request accepts: its worst candidate level's."""
+    return max((request.distortion.get(level.name, 0.0) for level in request.levels), default=0.0)
 
 
 def _ms(seconds: float) -> float:

@@ -40,6 +40,10 @@ class GenerationJob:
     # tokenization and waiting for memory and the model count against it
     admitted: float = field(default_factory=time.perf_counter)
     key_space: KeySpace = PUBLIC  # whose stored KV it reads and writes back
+    # the choices of one request (``n``) share their prompt: the first sets ``prompt_ready`` when its
+    # prompt's KV is in the prefix cache (or it ended), the others wait on it as ``after`` and hit it
+    prompt_ready: threading.Event | None = None
+    after: threading.Event | None = None
 
     @property
     def capacity(self) -> int:
@@ -58,7 +62,7 @@ class TokenLogprob:
 class PrefixReport:
     """Where the prompt's KV came from, and what it cost."""
 
-    cached_tokens: int  # from the store
+    cached_tokens: int  # from the store or from memory
     recomputed_tokens: int  # prefilled: text chunks and everything after the prefix
     chunks: list[ChunkReport]
     load_ms: float  # lookup, fetch, decode and text chunks
@@ -68,6 +72,7 @@ class PrefixReport:
     budget_ms: float | None = None
     planned_ms: float | None = None  # what the first plan predicted for the prompt
     prompt_ms: float = 0.0  # arrival to first-token logits: what the budget is held to
+    memory_tokens: int = 0  # of ``cached_tokens``, those copied from KV in memory (prefix cache)
 
     @property
     def slo_met(self) -> bool | None:
@@ -126,9 +131,16 @@ class Generation:
         self._previous_row: torch.Tensor | None = None  # the last prompt-logprobs row of the last segment
         self.last_token: int | None = None  # sampled, its KV not yet computed
         self.produced = 0
+        self.generated: list[int] = []
         self.prefill_started: float | None = None
         self.prefill_alone = True  # no other work shared its steps: its time is a clean measurement
         self.done = False
+        self.failed = False  # ended by an exception: its KV cannot be trusted
+
+    @property
+    def computed_ids(self) -> list[int]:
+        """The tokens whose KV is in ``kv``: the prompt, then every generated token fed back."""
+        return (self.job.prompt_ids + self.generated)[: self.position]
 
     @property
     def prefilling(self) -> bool:
@@ -181,6 +193,7 @@ class Generation:
         if self.done:
             return
         self.done = True
+        self.failed = True
         self.emit(exc)
         self.on_finished(self)
 
@@ -207,6 +220,7 @@ class Generation:
             self.finish("stop")
             return
         self.produced += 1
+        self.generated.append(token)
         self.last_token = token
         delta = self.text.push(token)
         lp = self._token_logprob(token, logits, job.logprobs) if job.logprobs is not None else None

@@ -6,12 +6,17 @@ pre-encode reserves its context's KV the same way. A reservation that does not
 fit waits (first come, first served, so a large request is not starved by
 small ones) until enough is released, or until its request is cancelled.
 Reserving more than the whole budget fails at once: it could never fit.
+
+Finished requests' buffers may stay reserved as cached KV
+(``scheduler/prefix_cache.py``): ``reclaim`` is asked to free some of them
+before a reservation waits, so cached KV never makes a request wait.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 
 
 class KVMemoryExceeded(ValueError):
@@ -19,8 +24,10 @@ class KVMemoryExceeded(ValueError):
 
 
 class KVMemory:
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, reclaim: Callable[[int], int] | None = None) -> None:
         self.budget = budget_bytes
+        # frees reserved bytes that are only cache (at least the argument, if it can); returns them
+        self.reclaim = reclaim
         self._used = 0
         self._queue: deque[object] = deque()  # tickets of waiting reservations, oldest first
         self._cond = threading.Condition()
@@ -50,6 +57,11 @@ class KVMemory:
                 while self._queue[0] is not ticket or self._used + nbytes > self.budget:
                     if cancel is not None and cancel.is_set():
                         return False
+                    if self._queue[0] is ticket and self.reclaim is not None:
+                        freed = self.reclaim(self._used + nbytes - self.budget)
+                        if freed:
+                            self._used -= freed
+                            continue
                     self._cond.wait(poll_s)
                 self._used += nbytes
                 return True

@@ -310,6 +310,7 @@ class _LoadRun:
         except ObjectNotFound:
             log.warning("KV chunk %d is listed in the index but missing from the store", i)
             self.result.faults.append("object_missing")
+            self.result.bad_chunks.append(chunk.key)
             return 0, False
         except StorageError as exc:
             log.warning("KV chunk %d unreadable, recomputing from there: %s", i, exc)
@@ -324,6 +325,7 @@ class _LoadRun:
         seconds = time.perf_counter() - t
         if fault:
             self.result.faults.append(fault)
+            self.result.bad_chunks.append(self.chunks[i + decoded].key)
         self._report(i, fetched[:decoded], seconds, idle)
         return decoded, fault is None
 

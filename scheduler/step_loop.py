@@ -93,7 +93,6 @@ class StepLoop:
         self.max_batched_tokens = max_batched_tokens
         self.on_step = on_step  # gauges: running and waiting generations
         self.torch_threads = torch_threads  # asked before each step: torch threads to use for it
-        self._threads = 0
         self.stats = StepStats()
         self._cond = threading.Condition()
         self._incoming: deque[Generation] = deque()  # submitted, not yet seen by the loop
@@ -167,6 +166,8 @@ class StepLoop:
     # -- the model thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        torch.ones(1 << 16).sum()  # torch's per-thread lazy set-up, before the count is set
+        self._set_threads()
         while True:
             with self._cond:
                 while not (self._stopping or self._has_work()):
@@ -251,12 +252,16 @@ class StepLoop:
         self._forget_done()
 
     def _set_threads(self) -> None:
+        """Give this step its torch threads. torch keeps the count per thread, but a thread's first
+        parallel op resets it to the count last set by any thread (the prepare threads' one), so
+        it is checked against torch's own value, not a cached one: a model thread whose first
+        forward pass came after a prepare thread started ran every step on one thread (a cold
+        3.7K-token prefill took 17-18 s instead of 10-11 s on 2 cores)."""
         if self.torch_threads is None:
             return
         wanted = self.torch_threads()
-        if wanted != self._threads:
+        if wanted != torch.get_num_threads():
             torch.set_num_threads(wanted)
-            self._threads = wanted
 
     def _account(self, work: list, decodes: int, seconds: float) -> None:
         stats = self.stats

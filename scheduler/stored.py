@@ -32,6 +32,7 @@ class StoredChunk:
     sizes: dict[str, int]  # level name -> bytes, only levels whose digest is this gateway's
     resident: dict[str, bool]  # level name -> already in this process's memory
     tail: bool = False
+    expires: int | None = None  # Unix time after which the index no longer serves it (None: pinned)
 
     @property
     def end(self) -> int:
@@ -120,6 +121,7 @@ def find_stored_prefix(
                 sizes=sizes,
                 resident={n: resident[chunk_object_key(key, n, digests[n])] for n in sizes},
                 tail=is_tail,
+                expires=entry.expires,
             )
         )
     return found

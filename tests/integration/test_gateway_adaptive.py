@@ -59,6 +59,7 @@ def gateway(seaweed, bucket, link, stored, tmp_path_factory) -> Iterator[Gateway
         "AWS_ENDPOINT_URL": link.url,
         "CACHEGEN_STORE": f"s3://{bucket}/{PREFIX}",
         "CACHEGEN_STORE_CACHE_BYTES": "0",
+        "CACHEGEN_PREFIX_CACHE": "false",  # every request loads over the link: that is what is tested
     }
     with GatewayProcess(env, tmp_path_factory.mktemp("adaptive") / "gateway.log") as gw:
         yield gw

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -9,10 +10,21 @@ import pytest
 
 from codec import DEFAULT_LEVELS
 from tests.conftest import MODEL_NAME
+from tests.gateway_process import GatewayProcess
 
 pytestmark = pytest.mark.slow
 
 LEVELS = [level.name for level in DEFAULT_LEVELS]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory) -> Iterator[GatewayProcess]:
+    """Without the prefix cache: every request here must load the store's levels, not KV that an
+    earlier request left in memory."""
+    root = tmp_path_factory.mktemp("levels")
+    env = {"CACHEGEN_STORE": f"file://{root / 'store'}", "CACHEGEN_PREFIX_CACHE": "false"}
+    with GatewayProcess(env, root / "gateway.log") as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
@@ -64,4 +76,7 @@ def test_auto_respects_the_quality_floor_unless_given_a_budget(gateway, ids):
     # a named level is used as is; one that is not stored recomputes
     named = complete(gateway.url, other, kv_quality=name)["kv_cache_info"]
     assert named["cached_tokens"] == 512 and {c["level"] for c in named["chunks"]} == {name}
-    assert complete(gateway.url, other, kv_quality="lossless")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert (
+        complete(gateway.url, other, kv_quality="lossless")["usage"]["prompt_tokens_details"]["cached_tokens"]
+        == 0
+    )

@@ -41,6 +41,7 @@ def replicas(tmp_path_factory, model_dir, seaweed) -> Iterator[tuple[GatewayProc
         **seaweed.env(),
         "CACHEGEN_STORE": f"s3://{bucket}/shared",
         "CACHEGEN_STORE_CACHE_BYTES": "0",  # every read goes to S3: what one writes, the other sees
+        "CACHEGEN_PREFIX_CACHE": "false",  # what is reused comes from the store, not from memory
     }
     a = GatewayProcess(common, root / "a.log")
     b = GatewayProcess(

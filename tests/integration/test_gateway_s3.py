@@ -36,6 +36,7 @@ def gateway_env(server, bucket: str, **extra: str) -> dict[str, str]:
         **server.env(),
         "CACHEGEN_STORE": f"s3://{bucket}/{PREFIX}",
         "CACHEGEN_STORE_CACHE_BYTES": "0",  # every read goes to S3
+        "CACHEGEN_PREFIX_CACHE": "false",  # and no request reuses KV an earlier one left in memory
         **extra,
     }
 
@@ -63,7 +64,9 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 def chunk_object_keys(server, bucket: str, context_id: str) -> list[str]:
     client = server.client()
-    manifest = json.loads(client.get_object(Bucket=bucket, Key=f"{PREFIX}/contexts/{context_id}.json")["Body"].read())
+    manifest = json.loads(
+        client.get_object(Bucket=bucket, Key=f"{PREFIX}/contexts/{context_id}.json")["Body"].read()
+    )
     name = object_name("lossless", level_digest(LOSSLESS))
     return [f"{PREFIX}/kv/{key}/{name}" for key in manifest["chunk_keys"]]
 
@@ -79,7 +82,10 @@ def test_encode_restart_and_hit_from_s3(tmp_path, seaweed, s3_bucket, prompt_ids
         fresh = complete(second.url, prompt_ids, kv_cache=False)
         assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
         assert hit["choices"][0]["text"] == fresh["choices"][0]["text"]
-        assert metric(second.url, "cachegen:kv_bytes_loaded_total", level="lossless") == created["bytes"]["lossless"]
+        assert (
+            metric(second.url, "cachegen:kv_bytes_loaded_total", level="lossless")
+            == created["bytes"]["lossless"]
+        )
 
 
 def test_objects_deleted_or_corrupted_behind_the_gateways_back(tmp_path, seaweed, s3_bucket, prompt_ids):

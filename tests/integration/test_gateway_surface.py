@@ -166,25 +166,22 @@ def test_context_of_a_chunk_and_a_tail_is_stored_whole(gateway, tokenizer):
 def test_stored_context_without_its_tail_warns(gateway):
     """A manifest of format 1 (before tails were stored) lists a chunk but not the tokens after it."""
     store = LocalStore(gateway.env["CACHEGEN_STORE"].removeprefix("file://"))
-    manifest = Manifest(
-        version=1,
-        id="ctx-" + "ab" * 16,
-        model=MODEL_NAME,
-        fingerprint="0" * 64,  # no model's: never listed, so other tests' listings stay as they are
-        chunk_size=256,
-        tokens=300,
-        chunk_keys=["1" * 64],
-        level_bytes={"lossless": 1},
-        created=int(time.time()),
-        encode_seconds=0.0,
+    created = httpx.post(
+        f"{gateway.url}/contexts", json={"prompt_token_ids": list(range(1000, 1300))}, timeout=600
+    ).json()
+    stored = Manifest.from_bytes(store.get(manifest_key(created["id"])))
+    # this model's, under an id the gateway has not read yet (its LRU tier holds the real one)
+    old = stored.model_copy(
+        update={"id": "ctx-" + "ab" * 16, "version": 1, "tail_key": None, "tail_tokens": 0}
     )
-    store.put(manifest_key(manifest.id), manifest.to_bytes())
+    store.put(manifest_key(old.id), old.to_bytes())
     try:
-        got = httpx.get(f"{gateway.url}/contexts/{manifest.id}").json()
+        got = httpx.get(f"{gateway.url}/contexts/{old.id}").json()
         assert got["cached_tokens"] == 256
         assert "256 of 300" in got["warning"] and "last 44" in got["warning"]
     finally:
-        store.delete(manifest_key(manifest.id))
+        store.delete(manifest_key(old.id))
+        httpx.delete(f"{gateway.url}/contexts/{created['id']}")
 
 
 # -- a gateway with CORS, docs off, and an S3 store to stop -----------------------------------------

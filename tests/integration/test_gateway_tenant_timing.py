@@ -13,7 +13,13 @@ pytestmark = pytest.mark.slow
 
 def test_a_prefix_stored_by_another_tenant_times_like_one_nobody_stored(tmp_path, model_dir, tokenizer):
     stored, unstored = prompts(tokenizer)
-    env = {"CACHEGEN_STORE": f"file://{tmp_path / 'store'}", "CACHEGEN_API_KEY": f"{KEY_A},{KEY_B}"}
+    # the store's side channel, every trial from the store: the prefix cache would serve B's own
+    # repeats from memory (salted per tenant too: tests/integration/test_gateway_prefix_cache.py)
+    env = {
+        "CACHEGEN_STORE": f"file://{tmp_path / 'store'}",
+        "CACHEGEN_API_KEY": f"{KEY_A},{KEY_B}",
+        "CACHEGEN_PREFIX_CACHE": "false",
+    }
     with GatewayProcess(env, tmp_path / "gateway.log") as gw:
         created = httpx.post(
             f"{gw.url}/contexts",

@@ -146,7 +146,7 @@ def test_a_context_with_a_ttl_is_gone_after_it_and_gc_collects_it(keyed, prompt_
     assert report["expired_contexts"] == 1 and report["deleted_objects"] > 0
     assert f"contexts/{brief['id']}.json" in before - after
     assert f"contexts/{pinned['id']}.json" in after
-    assert complete(url, KEY_B, prompt_ids)["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+    assert complete(url, KEY_B, prompt_ids)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
 
 
 def run_gc(store: str, *flags: str, env: dict[str, str] | None = None) -> dict:
