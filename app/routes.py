@@ -56,23 +56,37 @@ async def completions(
     return await serving_completions.completion(gateway, body, http.is_disconnected, space)
 
 
-@router.get("/v1/models")
-async def models(gateway: GatewayDep) -> dict:
+# Every GET answers HEAD too (load tools probe with it, as they do vLLM).
+GET = ["GET", "HEAD"]
+
+
+def model_object(gateway: Gateway) -> dict:
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": gateway.model_name,
-                "object": "model",
-                "created": now(),
-                "owned_by": "cachegen",
-                "max_model_len": gateway.max_context,
-            }
-        ],
+        "id": gateway.model_name,
+        "object": "model",
+        "created": now(),
+        "owned_by": "cachegen",
+        "max_model_len": gateway.max_context,
     }
 
 
+@router.api_route("/v1/models", methods=GET)
+async def models(gateway: GatewayDep) -> dict:
+    return {"object": "list", "data": [model_object(gateway)]}
+
+
+@router.api_route("/v1/models/{model_id:path}", methods=GET)
+async def model(model_id: str, gateway: GatewayDep) -> dict:
+    """What ``client.models.retrieve`` asks for; 404 ``model_not_found`` for another model."""
+    gateway.check_model(model_id)
+    return model_object(gateway)
+
+
+# The context routes are served under /v1 too, where an OpenAI client's base URL points.
+
+
 @router.post("/contexts")
+@router.post("/v1/contexts")
 async def create_context(body: ContextRequest, gateway: GatewayDep, tenant: TenantDep) -> dict:
     return await serving_contexts.create_context(gateway, body, tenant.key_space(body.cache_salt))
 
@@ -80,17 +94,20 @@ async def create_context(body: ContextRequest, gateway: GatewayDep, tenant: Tena
 # listing, reading and deleting are per tenant; a client's cache_salt only separates stored KV
 
 
-@router.get("/contexts")
+@router.api_route("/contexts", methods=GET)
+@router.api_route("/v1/contexts", methods=GET)
 async def list_contexts(gateway: GatewayDep, tenant: TenantDep) -> dict:
     return await serving_contexts.list_contexts(gateway, tenant.key_space(None))
 
 
-@router.get("/contexts/{context_id}")
+@router.api_route("/contexts/{context_id}", methods=GET)
+@router.api_route("/v1/contexts/{context_id}", methods=GET)
 async def get_context(context_id: str, gateway: GatewayDep, tenant: TenantDep) -> dict:
     return await serving_contexts.get_context(gateway, context_id, tenant.key_space(None))
 
 
 @router.delete("/contexts/{context_id}")
+@router.delete("/v1/contexts/{context_id}")
 async def delete_context(context_id: str, gateway: GatewayDep, tenant: TenantDep) -> dict:
     return await serving_contexts.delete_context(gateway, context_id, tenant.key_space(None))
 
@@ -105,24 +122,30 @@ async def detokenize(body: DetokenizeRequest, gateway: GatewayDep) -> dict:
     return serving_tokens.detokenize(gateway, body)
 
 
-@router.get("/health")
+@router.api_route("/health", methods=GET)
 async def health(gateway: GatewayDep) -> dict:
-    return {"status": "ok", "model": gateway.model_name, "in_flight": gateway.admission.admitted}
+    return {
+        "status": "ok",
+        "model": gateway.model_name,
+        "device": str(gateway.runner.device),
+        "dtype": str(gateway.runner.loaded.dtype).removeprefix("torch."),
+        "in_flight": gateway.admission.admitted,
+    }
 
 
-@router.get("/ready", response_model=None)
+@router.api_route("/ready", methods=GET, response_model=None)
 async def ready(readiness: ReadinessDep) -> JSONResponse:
     """200 when the gateway can serve; 503, naming the part that cannot, when it cannot."""
     report = await readiness.report()
     return JSONResponse(report.body(), status_code=200 if report.ready else 503)
 
 
-@router.get("/version")
+@router.api_route("/version", methods=GET)
 async def version() -> dict:
     return {"version": package_version()}
 
 
-@router.get("/metrics")
+@router.api_route("/metrics", methods=GET)
 async def metrics(gateway: GatewayDep) -> Response:
     return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
