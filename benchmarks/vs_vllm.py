@@ -47,7 +47,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.loading import DEFAULT_MODEL_NAME, convert_default_model, default_cache_dir
-from tests.gateway_process import GatewayProcess, free_port
+from tests.gateway_process import GatewayProcess, ProcessExited, free_port, wait_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LICENCE = Path("/usr/share/common-licenses/GPL-3")
@@ -88,16 +88,11 @@ class VLLMServer:
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> VLLMServer:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}; see {self._log.name}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        try:
+            if wait_healthy(self.url, self.proc, timeout=600, poll_s=1.0):
+                return self
+        except ProcessExited as exc:
+            raise RuntimeError(f"vLLM exited with {exc.returncode}; see {self._log.name}") from None
         raise RuntimeError("vLLM did not start in 600 s")
 
     def __exit__(self, *exc: object) -> None:

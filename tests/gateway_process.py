@@ -20,6 +20,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ProcessExited(RuntimeError):
+    def __init__(self, returncode: int) -> None:
+        super().__init__(f"exited with {returncode}")
+        self.returncode = returncode
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, poll_s: float = 0.3) -> bool:
+    """Poll ``url``/health until it answers 200 (True) or ``timeout`` passes (False); raises
+    ``ProcessExited`` when ``proc`` ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ProcessExited(proc.returncode)
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    return False
+
+
 class GatewayProcess:
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
         self.port = free_port()
@@ -37,16 +59,12 @@ class GatewayProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        try:
+            healthy = wait_healthy(self.url, self.proc, timeout)
+        except ProcessExited as exc:
+            raise RuntimeError(f"gateway exited with {exc.returncode}:\n{self.log()}") from None
+        if healthy:
+            return self
         self.stop()
         raise RuntimeError(f"gateway did not become healthy in {timeout}s:\n{self.log()}")
 
