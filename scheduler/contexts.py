@@ -58,8 +58,6 @@ class StoredPieces:
     ``missing`` what it must encode; ``manifest`` is the context's own record
     when there is one (this model's, this tenant's, not expired)."""
 
-    keys: list[str]
-    tail: Tail | None
     present: dict[str, dict[str, StoredObject]]
     missing: dict[str, list[Level]]
     manifest: Manifest | None
@@ -148,7 +146,7 @@ class ContextStore:
                     present.setdefault(key, {})[level.name] = listed[object_key]
                 else:
                     missing.setdefault(key, []).append(level)
-        return StoredPieces(keys, tail, present, missing, manifest)
+        return StoredPieces(present, missing, manifest)
 
     def save_chunks(
         self,

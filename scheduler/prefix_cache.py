@@ -66,8 +66,6 @@ class CachedRun:
 
 @dataclass
 class CacheStats:
-    lookups: int = 0
-    queried_tokens: int = 0
     hit_tokens: int = 0
     evicted_runs: int = 0
 
@@ -110,8 +108,6 @@ class PrefixCache:
         quality than ``max_distortion`` (0: exact only); pinned (``copy_into`` or ``unpin`` it)."""
         keys = self.block_keys(token_ids, space)
         with self._lock:
-            self.stats.lookups += 1
-            self.stats.queried_tokens += len(token_ids)
             now = time.time()
             matched, run = 0, None
             for key in keys:
