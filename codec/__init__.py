@@ -6,7 +6,7 @@ No I/O, no asyncio, no settings: callers hand in tensors and level objects.
 from codec.backends import Backend, NumbaBackend, backend_for, decode_chunks_into, decode_into
 from codec.chunk import decode_chunk, encode_chunk
 from codec.container import FORMAT_VERSION
-from codec.errors import CodecError, StreamError
+from codec.errors import CodecError, ShapeMismatch, StreamError
 from codec.levels import (
     DEFAULT_LEVELS,
     LOSSLESS,
@@ -31,6 +31,7 @@ __all__ = [
     "ParsedBatch",
     "ParsedChunk",
     "Scheme",
+    "ShapeMismatch",
     "StreamError",
     "backend_for",
     "decode_chunk",

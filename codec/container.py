@@ -10,7 +10,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from codec.errors import CodecError
+from codec.errors import CodecError, ShapeMismatch
 
 MAGIC = b"CGKV"
 # 2: adds the lossy QUANT scheme (scheme byte 2); 3: its side info is zstd-compressed;
@@ -23,6 +23,12 @@ _HEADER = struct.Struct("<4sHBBHHHIQ")
 _TRAILER = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size
 OVERHEAD = _HEADER.size + _TRAILER.size
+# A forged header must not make a decoder allocate without bound, whatever the scheme: a
+# chunk is a few million values (SmolLM2-135M: 2.9M for 256 tokens), and a 16-bit rANS word
+# can hold at most this many symbols. Callers that know the model pass its exact shape.
+MAX_VALUES = 1 << 27
+
+Shape = tuple[int, int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -64,8 +70,12 @@ def pack(header: ChunkHeader, payload: bytes | memoryview) -> bytes:
     return b"".join((head, payload, _TRAILER.pack(crc)))
 
 
-def read_header(data: bytes | memoryview) -> ChunkHeader:
-    """Parse and check the fixed header alone (no checksum: for inspection)."""
+def read_header(data: bytes | memoryview, expect: Shape | None = None) -> ChunkHeader:
+    """Parse and check the fixed header alone (no checksum: for inspection).
+
+    ``expect``: the (layers, 2, kv_heads, tokens, head_dim) the caller will decode into; any
+    other shape raises ``ShapeMismatch`` here, before the payload is touched.
+    """
     if len(data) < _HEADER.size:
         raise CodecError(f"chunk too short for a header: {len(data)} bytes")
     magic, version, scheme, dtype, layers, heads, head_dim, tokens, payload_len = _HEADER.unpack_from(data)
@@ -75,13 +85,18 @@ def read_header(data: bytes | memoryview) -> ChunkHeader:
         raise CodecError(f"unsupported chunk format version {version} (this build reads {READ_VERSIONS})")
     if min(layers, heads, head_dim, tokens) == 0:
         raise CodecError("chunk header has a zero dimension")
-    return ChunkHeader(scheme, dtype, layers, heads, head_dim, tokens, payload_len, version)
+    header = ChunkHeader(scheme, dtype, layers, heads, head_dim, tokens, payload_len, version)
+    if expect is not None and header.shape != tuple(expect):
+        raise ShapeMismatch(f"chunk header declares shape {header.shape}, expected {tuple(expect)}")
+    if header.values > MAX_VALUES:
+        raise CodecError(f"chunk header declares {header.values} values, over the limit of {MAX_VALUES}")
+    return header
 
 
-def unpack(data: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
-    """Header and payload of a whole container, after the length and CRC checks."""
+def unpack(data: bytes | memoryview, expect: Shape | None = None) -> tuple[ChunkHeader, memoryview]:
+    """Header and payload of a whole container, after the shape, length and CRC checks."""
     view = memoryview(data)
-    header = read_header(view)
+    header = read_header(view, expect)
     expected = OVERHEAD + header.payload_len
     if len(view) != expected:
         raise CodecError(f"chunk length {len(view)} does not match its header ({expected})")

@@ -5,6 +5,14 @@ class CodecError(ValueError):
     """Bytes that are not a valid chunk bitstream (truncated, corrupted, foreign, unsupported)."""
 
 
+class ShapeMismatch(CodecError):
+    """A well-formed header whose tensor shape is not the one the caller expects.
+
+    Raised from the header alone, before the checksum or the payload is read, so
+    a forged header cannot make the parse allocate for a tensor nobody asked for.
+    """
+
+
 class StreamError(CodecError):
     """An entropy-coded stream that passed every check of the parse but did not decode.
 

@@ -49,9 +49,7 @@ def from_raw(payload: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, 
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if len(payload) != itemsize * int(np.prod(shape)):
         raise CodecError("raw payload size does not match the header")
-    storage_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
-    tensor = torch.frombuffer(bytearray(payload), dtype=storage_dtype).reshape(shape)
-    return tensor.view(dtype) if dtype == torch.bfloat16 else tensor
+    return _as_tensor(np.frombuffer(payload, dtype=np.uint8).copy(), dtype, shape)
 
 
 def zstd_encode(kv: torch.Tensor) -> bytes:
@@ -61,8 +59,16 @@ def zstd_encode(kv: torch.Tensor) -> bytes:
 
 
 def zstd_decode(payload: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Two buffers of the chunk's size at most: the decompressed planes, and the values."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     expected = itemsize * int(np.prod(shape))
     planes = decompress_exact(payload, expected, "zstd payload")
     raw = np.frombuffer(planes, dtype=np.uint8).reshape(itemsize, -1).T.copy()
-    return from_raw(raw.tobytes(), dtype, shape)
+    return _as_tensor(raw, dtype, shape)
+
+
+def _as_tensor(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A writable, C-ordered uint8 array's bytes as a tensor (no copy); bf16 through int16."""
+    storage_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+    tensor = torch.from_numpy(raw.reshape(-1)).view(storage_dtype).reshape(shape)
+    return tensor.view(dtype) if dtype == torch.bfloat16 else tensor

@@ -83,8 +83,11 @@ class ParsedBatch:
         return (layers, 2, heads, sum(c.tokens for c in self.chunks), dim)
 
 
-def parse_chunk(data: bytes | memoryview) -> ParsedChunk:
-    header, payload = container.unpack(data)
+def parse_chunk(data: bytes | memoryview, expect: container.Shape | None = None) -> ParsedChunk:
+    """``expect``: the shape the caller needs; a chunk of any other shape raises ``ShapeMismatch``
+    from its header alone. Without it, only the codec's own bound (``container.MAX_VALUES``)
+    limits what a header may make the parse allocate."""
+    header, payload = container.unpack(data, expect)
     dtype = code_dtype(header.dtype)
     try:
         scheme = Scheme(header.scheme)

@@ -24,6 +24,7 @@ import torch
 import zstandard
 
 from codec import rans
+from codec.container import MAX_VALUES
 from codec.entropy_model import FAMILIES, bank
 from codec.errors import CodecError, StreamError
 from codec.quantize_kernel import quantize_rows
@@ -42,9 +43,6 @@ _EXACT_DTYPES = {1: "<f2", 0: "<f4"}
 # Side info (step codes, table indices, centres) is a tenth of a medium chunk; zstd takes
 # about 60% of it off, in about a millisecond.
 _SIDE_ZSTD_LEVEL = 9
-# A forged header must not make the decoder allocate without bound: a chunk is
-# a few million values, and a 16-bit word can hold at most this many symbols.
-MAX_VALUES = 1 << 27
 # Entropy streams per (layer, k/v, head) that levels use unless their table says otherwise.
 # More groups are more, shorter streams: more parallel work for a GPU decoder, a few more bytes
 # (each stream carries a 4-byte length and a 4-byte final state). benchmarks/gpu_decode.py

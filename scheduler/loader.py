@@ -31,6 +31,7 @@ from codec import (
     Level,
     ParsedBatch,
     ParsedChunk,
+    ShapeMismatch,
     StreamError,
     decode_into,
     level_digest,
@@ -347,16 +348,15 @@ class _LoadRun:
         fault = None
         for k, f in enumerate(fetched):
             chunk = self.chunks[i + k]
-            try:
-                p = parse_chunk(f.data)
+            try:  # the shape is checked from the header, before the body is read or allocated
+                p = parse_chunk(f.data, expect=self.loader.geometry.chunk_shape(chunk.tokens))
+            except ShapeMismatch as exc:
+                log.warning("KV chunk %d does not fit the model, recomputing from there: %s", i + k, exc)
+                fault = "shape_mismatch"
+                break
             except CodecError as exc:
                 log.warning("KV chunk %d rejected by the codec, recomputing from there: %s", i + k, exc)
                 fault = "corrupt_chunk"
-                break
-            expected = self.loader.geometry.chunk_shape(chunk.tokens)
-            if p.shape != expected:
-                log.warning("KV chunk %d has shape %s, the model needs %s", i + k, p.shape, expected)
-                fault = "shape_mismatch"
                 break
             parsed.append(p)
         if not parsed:

@@ -10,12 +10,15 @@ import json
 import threading
 import time
 
+from pathlib import Path
+
 import httpx
 import pytest
 
 from codec import LOSSLESS, level_digest
 from scheduler.layout import object_name
 from tests.conftest import MODEL_NAME
+from tests.forged_chunks import zstd_bomb
 from tests.gateway_process import GatewayProcess
 
 pytestmark = pytest.mark.slow
@@ -25,8 +28,6 @@ PREFIX = "ctx"
 
 @pytest.fixture(scope="module")
 def prompt_ids(tokenizer) -> list[int]:
-    from pathlib import Path
-
     text = (Path(__file__).parent.parent / "data" / "python_history.txt").read_text()
     return tokenizer(text)["input_ids"][:560]  # two full chunks and a tail
 
@@ -113,6 +114,42 @@ def test_objects_deleted_or_corrupted_behind_the_gateways_back(tmp_path, seaweed
         # re-encoding heals the context
         encode(gw.url, prompt_ids)
         assert complete(gw.url, prompt_ids)["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
+
+
+def _peak_rss_reset(pid: int) -> int:
+    """Reset the process's peak RSS to its current RSS (Linux clear_refs); return that RSS."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return _status_kib(pid, "VmRSS") * 1024
+
+
+def _status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def test_a_decompression_bomb_under_a_real_key_costs_no_memory(tmp_path, seaweed, s3_bucket, prompt_ids):
+    """A 3 GiB zstd bomb (about 0.1 MB, CRC valid) written over a stored chunk is refused from its
+    header: the request costs under 100 MB of peak RSS, is answered as a full prefill answers it,
+    and the fault is counted."""
+    bomb = zstd_bomb(layers=30, heads=3, tokens=70_000, dim=64)  # SmolLM2-135M's geometry: 3.1 GiB
+    assert len(bomb) < 200_000
+    with GatewayProcess(gateway_env(seaweed, s3_bucket), tmp_path / "gateway.log") as gw:
+        created = encode(gw.url, prompt_ids).json()
+        fresh = complete(gw.url, prompt_ids, kv_cache=False)["choices"][0]["text"]
+        first, _ = chunk_object_keys(seaweed, s3_bucket, created["id"])
+        seaweed.client().put_object(Bucket=s3_bucket, Key=first, Body=bomb)
+        complete(gw.url, prompt_ids, kv_cache=False)  # the prefill's own peak, before the baseline
+        before = _peak_rss_reset(gw.proc.pid)
+        out = complete(gw.url, prompt_ids)
+        peak = _status_kib(gw.proc.pid, "VmHWM") * 1024
+        assert peak - before < 100 * 2**20, f"peak RSS rose by {(peak - before) / 2**20:.0f} MiB"
+        assert out["choices"][0]["text"] == fresh
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert out["kv_cache_info"]["faults"] == ["shape_mismatch"]
+        assert metric(gw.url, "cachegen:kv_store_faults_total", kind="shape_mismatch") == 1
+        assert "does not fit the model" in gw.log()
 
 
 def test_s3_stopped_before_and_during_requests(tmp_path, private_seaweed, prompt_ids):
