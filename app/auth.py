@@ -12,6 +12,15 @@ cannot name another tenant's salt: its own ``cache_salt`` is mixed in after
 its tenant's. ``CACHEGEN_SHARED_CACHE`` puts every key in one shared tenant.
 Rotating a key starts its tenant afresh (its old contexts stay until they
 expire or are evicted).
+
+With ``CACHEGEN_TENANT_SECRET`` the id and salt are HMAC-SHA-256 of the key's
+digest under that server-side secret; without it, plain SHA-256. The secret
+matters to anyone who can read the bucket: object names and manifests are
+functions of the salt and id, so without a secret a weak key could be guessed
+offline by recomputing them. Every replica over one store needs the same
+secret. Changing it is a rotation of every tenant at once: each starts afresh,
+its old objects stay unreachable until they expire, are evicted by the cap or
+collected (``python -m app gc``).
 """
 
 from __future__ import annotations
@@ -53,13 +62,20 @@ def _digest(key: str) -> bytes:
 
 
 class ApiKeys:
-    def __init__(self, keys: list[str], shared_cache: bool = False, metrics_auth: bool = False) -> None:
+    def __init__(
+        self,
+        keys: list[str],
+        shared_cache: bool = False,
+        metrics_auth: bool = False,
+        tenant_secret: bytes | None = None,
+    ) -> None:
         if any(not k or k != k.strip() for k in keys):
             raise ValueError("API keys must be non-empty and have no surrounding spaces")
         # compared as digests: equal lengths, so the comparison's time says nothing of a key
         self._digests = [_digest(k) for k in keys]
         self.shared_cache = shared_cache
         self.metrics_auth = metrics_auth
+        self._tenant_secret = tenant_secret
 
     @property
     def enabled(self) -> bool:
@@ -87,9 +103,14 @@ class ApiKeys:
         if self.shared_cache:
             return ANONYMOUS
         return Tenant(
-            id=hashlib.sha256(b"cachegen tenant id\0" + match).hexdigest()[:32],
-            secret=hashlib.sha256(b"cachegen tenant salt\0" + match).digest(),
+            id=self._derive(b"cachegen tenant id\0", match).hex()[:32],
+            secret=self._derive(b"cachegen tenant salt\0", match),
         )
+
+    def _derive(self, label: bytes, key_digest: bytes) -> bytes:
+        if self._tenant_secret is None:
+            return hashlib.sha256(label + key_digest).digest()
+        return hmac.new(self._tenant_secret, label + key_digest, hashlib.sha256).digest()
 
 
 class ApiKeyAuth:

@@ -39,9 +39,9 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     """Build the app; the model loads here, before the server accepts requests."""
     settings = settings or Settings()
     configure_logging(settings.log_level, settings.log_format)
-    keys = ApiKeys(
-        settings.api_keys(), settings.shared_cache, settings.metrics_auth
-    )  # before the model loads
+    keys = ApiKeys(  # before the model loads
+        settings.api_keys(), settings.shared_cache, settings.metrics_auth, settings.tenant_secret_bytes()
+    )
     gateway = gateway or build_gateway(settings)
     interval = gateway.collect_interval_s
     collection = None if interval is None else CollectionTimer(gateway.collect, interval)

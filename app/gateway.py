@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -73,8 +74,6 @@ def load_levels(settings: Settings) -> LevelTable:
     calibration measured per level when the table has it for every lossy level,
     else a stand-in that grows 4x per level, as measured tables do.
     """
-    import json
-
     table = (
         default_level_table()
         if settings.levels_file is None
@@ -118,6 +117,11 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self._collecting = threading.Lock()
+        self._show_link = shows_link(self.settings)
+
+    def kv_cache_info(self, report: PrefixReport) -> dict[str, Any]:
+        """The response's ``kv_cache_info`` extension object."""
+        return kv_cache_info(report, show_link=self._show_link)
 
     def collect(self) -> CollectReport | None:
         """One garbage collection and cap pass (blocking; None when one is already running)."""
@@ -237,9 +241,13 @@ class Gateway:
         return list(self.runner.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def warn_ignored(self, fields: list[str]) -> None:
-        """Unknown request fields are accepted and ignored, as vLLM does, and named in the log."""
+        """Unknown request fields are accepted and ignored, as vLLM does, and named in the log:
+        escaped (a name is client text: no newline or control character reaches the log), each cut
+        to 64 characters, at most 16 of them."""
         if fields:
-            log.warning("ignoring unknown request fields: %s", ", ".join(fields))
+            shown = [json.dumps(f[:64]) for f in fields[:16]]
+            more = f" and {len(fields) - 16} more" if len(fields) > 16 else ""
+            log.warning("ignoring unknown request fields: %s%s", ", ".join(shown), more)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = len(self.runner.tokenizer)
@@ -348,8 +356,15 @@ class Gateway:
             self.metrics.prefix_hits.inc(cached)
 
 
-def kv_cache_info(report: PrefixReport) -> dict[str, Any]:
-    """The response's ``kv_cache_info`` extension object."""
+def shows_link(settings: Settings) -> bool:
+    """Whether responses carry the link estimate. It is the whole process's traffic: with tenants,
+    one tenant's response would show another's activity, so it stays in /metrics (behind
+    ``metrics_auth`` if set)."""
+    return not settings.api_keys() or settings.shared_cache
+
+
+def kv_cache_info(report: PrefixReport, show_link: bool = True) -> dict[str, Any]:
+    """The response's ``kv_cache_info`` extension object; ``show_link``: with the link estimate."""
     return KVCacheInfo(
         cached_tokens=report.cached_tokens,
         memory_tokens=report.memory_tokens,
@@ -358,7 +373,9 @@ def kv_cache_info(report: PrefixReport) -> dict[str, Any]:
         load_ms=report.load_ms,
         prefill_ms=report.prefill_ms,
         faults=report.faults,
-        bandwidth_mbps=None if report.bandwidth_bps is None else round(report.bandwidth_bps * 8 / 1e6, 1),
+        bandwidth_mbps=None
+        if report.bandwidth_bps is None or not show_link
+        else round(report.bandwidth_bps * 8 / 1e6, 1),
         budget_ms=report.budget_ms,
         planned_ms=report.planned_ms,
         prompt_ms=report.prompt_ms,

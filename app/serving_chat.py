@@ -16,7 +16,6 @@ from app.gateway import (
     EventStream,
     Gateway,
     collect,
-    kv_cache_info,
     observed_events,
     usage,
 )
@@ -72,7 +71,7 @@ async def chat_completion(
         "model": gateway.model_name,
         "choices": choices,
         "usage": usage(len(prompt_ids), completion, info.cached_tokens).model_dump(),
-        "kv_cache_info": kv_cache_info(info),
+        "kv_cache_info": gateway.kv_cache_info(info),
     }
     return JSONResponse(body)
 
@@ -107,7 +106,9 @@ async def _stream(
         if isinstance(event, PromptDone):
             prompt = prompt or event
             yield chunk(
-                index, {"role": "assistant", "content": ""}, kv_cache_info=kv_cache_info(event.kv_info)
+                index,
+                {"role": "assistant", "content": ""},
+                kv_cache_info=gateway.kv_cache_info(event.kv_info),
             )
         elif isinstance(event, TokenEvent):
             logprobs = {"content": [_logprob(event.logprob)]} if event.logprob else None

@@ -16,7 +16,6 @@ from app.gateway import (
     EventStream,
     Gateway,
     collect,
-    kv_cache_info,
     observed_events,
     usage,
 )
@@ -116,7 +115,7 @@ async def completion(
         "model": gateway.model_name,
         "choices": choices,
         "usage": usage(len(jobs[0].prompt_ids), completion_tokens, info.cached_tokens).model_dump(),
-        "kv_cache_info": kv_cache_info(info),
+        "kv_cache_info": gateway.kv_cache_info(info),
     }
     return JSONResponse(body)
 
@@ -151,7 +150,7 @@ async def _stream(
                 offsets[index] = len(text)
                 logprobs = builder.body if request.logprobs is not None else None
             # the first chunk of every choice carries kv_cache_info, with or without echo
-            yield chunk(index, text, logprobs, kv_cache_info=kv_cache_info(event.kv_info))
+            yield chunk(index, text, logprobs, kv_cache_info=gateway.kv_cache_info(event.kv_info))
         elif isinstance(event, TokenEvent):
             logprobs = None
             if event.logprob is not None:

@@ -125,6 +125,13 @@ class Settings(BaseSettings):
     )
     api_key_file: Path | None = Field(None, description="file of API keys, one per line ('#' comments)")
     metrics_auth: bool = Field(False, description="/metrics needs a key too (default: open to scrapers)")
+    tenant_secret: SecretStr | None = Field(
+        None,
+        description="server-side secret HMAC'd into each tenant's id and key salt, so stored object names "
+        "cannot be tested against guessed API keys; every replica over one store needs the same one, "
+        "and changing it starts every tenant afresh",
+    )
+    tenant_secret_file: Path | None = Field(None, description="file holding tenant_secret (its first line)")
     shared_cache: bool = Field(
         False,
         description="with API keys: all keys share one KV cache (default: each key is its own tenant, "
@@ -186,6 +193,16 @@ class Settings(BaseSettings):
                 if line and not line.startswith("#"):
                     keys.append(line)
         return keys
+
+    def tenant_secret_bytes(self) -> bytes | None:
+        if self.tenant_secret is not None:
+            return self.tenant_secret.get_secret_value().encode()
+        if self.tenant_secret_file is not None:
+            lines = self.tenant_secret_file.read_text(encoding="utf-8").splitlines()
+            if not lines or not lines[0].strip():
+                raise ValueError(f"tenant_secret_file {self.tenant_secret_file} is empty")
+            return lines[0].strip().encode()
+        return None
 
     @property
     def store_url(self) -> str:

@@ -52,6 +52,15 @@ class ChunkHeader:
         return self.layers * 2 * self.kv_heads * self.tokens * self.head_dim
 
 
+def max_chunk_bytes(shape: Shape) -> int:
+    """An upper bound on the size of a valid chunk of ``shape``, under any scheme: what a reader
+    may download for it. Raw float32 is 4 bytes a value; a lossy chunk stays under 8 (at most 4
+    for its exact tokens, under 2 for coded ones) plus per-channel side info and stream tables
+    (under 16 bytes a channel), plus the prefix and zstd framing."""
+    layers, _, heads, tokens, dim = shape
+    return OVERHEAD + 8 * layers * 2 * heads * tokens * dim + 16 * layers * 2 * heads * dim + (1 << 16)
+
+
 def pack(header: ChunkHeader, payload: bytes | memoryview) -> bytes:
     if header.payload_len != len(payload):
         raise ValueError("payload_len does not match the payload")

@@ -124,7 +124,7 @@ class ContextStore:
         listed: dict[str, StoredObject] = {}
         if keys:
             try:
-                index = PrefixIndex.from_bytes(self.store.get(index_key(keys[0])))
+                index = PrefixIndex.read(self.store, index_key(keys[0]))
             except (ObjectNotFound, PrefixIndexError):
                 index = None
             if index is not None and index.fingerprint == self.fingerprint.hex:
@@ -259,10 +259,9 @@ class ContextStore:
         if not re.fullmatch(CONTEXT_ID_PATTERN, ctx_id):
             raise ContextNotFound(ctx_id)
         try:
-            data = self.store.get(manifest_key(ctx_id))
+            manifest = Manifest.read(self.store, manifest_key(ctx_id))
         except ObjectNotFound:
             raise ContextNotFound(ctx_id) from None
-        manifest = Manifest.from_bytes(data)
         if (
             manifest.tenant != space.tenant
             or manifest.expired(time.time())
@@ -332,7 +331,7 @@ def update_index(
     """Read, change and write the index under ``first_key`` (a missing or bad one starts empty)."""
     key = index_key(first_key)
     try:
-        index = PrefixIndex.from_bytes(store.get(key))
+        index = PrefixIndex.read(store, key)
         if index.fingerprint != fingerprint or index.chunk_size != chunk_size:
             raise PrefixIndexError("index of another model or chunk size")
     except (ObjectNotFound, PrefixIndexError) as exc:
@@ -360,7 +359,7 @@ def read_manifests(store: ObjectStore, known: Mapping[str, Manifest] | None = No
             found.append(known[ctx_id])
             continue
         try:
-            found.append(Manifest.from_bytes(store.get(info.key)))
+            found.append(Manifest.read(store, info.key))
         except (ObjectNotFound, ManifestError) as exc:
             log.warning("skipping manifest %s: %s", info.key, exc)
     return found

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from scheduler.errors import PrefixIndexError
+from storage import ObjectStore, ObjectTooLarge
 
 INDEX_VERSION = 1
 MAX_INDEX_BYTES = 8 * 2**20  # bounds what a reader parses; ~20K entries
@@ -101,6 +102,20 @@ class PrefixIndex(BaseModel):
             return cls.model_validate_json(data)
         except ValidationError as exc:
             raise PrefixIndexError(f"invalid prefix index: {exc.errors()[0]['msg']}") from exc
+
+    @classmethod
+    def read(cls, store: ObjectStore, key: str, max_age_s: float | None = None) -> PrefixIndex:
+        """The index at ``key``, never downloading more than ``MAX_INDEX_BYTES``; ``max_age_s``:
+        read with ``get_fresh``. Raises ObjectNotFound, PrefixIndexError (too large, invalid) or
+        StorageError."""
+        try:
+            if max_age_s is None:
+                data = store.get(key, MAX_INDEX_BYTES)
+            else:
+                data = store.get_fresh(key, max_age_s, MAX_INDEX_BYTES)
+        except ObjectTooLarge as exc:
+            raise PrefixIndexError(str(exc)) from None
+        return cls.from_bytes(data)
 
     def merged(self, other: PrefixIndex) -> PrefixIndex:
         """This index with ``other``'s entries added (an entry's objects are united per level, and it

@@ -114,7 +114,7 @@ class StoreCollector:
                 continue
             key = index_key(first)
             try:
-                index = PrefixIndex.from_bytes(self.store.get(key))
+                index = PrefixIndex.read(self.store, key)
             except (ObjectNotFound, PrefixIndexError):
                 continue  # gone meanwhile, or unreadable (readers treat it as a miss, writers replace it)
             listed = {**index.chunks, **index.tails}

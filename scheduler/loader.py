@@ -35,6 +35,7 @@ from codec import (
     StreamError,
     decode_into,
     level_digest,
+    max_chunk_bytes,
     parse_chunk,
 )
 from scheduler.bandwidth import BandwidthEstimator
@@ -44,7 +45,7 @@ from scheduler.planner import TEXT, ChunkCosts, PlanInputs, plan
 from scheduler.prefix_load import ChunkReport, KVRequest, KVTarget, PrefixLoad
 from scheduler.profile import CostProfile
 from scheduler.stored import StoredChunk, StoredPrefix
-from storage import ObjectNotFound, ObjectStore, StorageError
+from storage import ObjectNotFound, ObjectStore, ObjectTooLarge, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class PrefixLoader:
         received = 0
         cpu = time.thread_time()
         try:
-            data = self.store.get(key)
+            data = self.store.get(key, limit=max_chunk_bytes(self.geometry.chunk_shape(chunk.tokens)))
             received = len(data)
         finally:
             if metered:
@@ -311,6 +312,11 @@ class _LoadRun:
         except ObjectNotFound:
             log.warning("KV chunk %d is listed in the index but missing from the store", i)
             self.result.faults.append("object_missing")
+            self.result.bad_chunks.append(chunk.key)
+            return 0, False
+        except ObjectTooLarge as exc:
+            log.warning("KV chunk %d is larger than any chunk of its shape, recomputing from there: %s", i, exc)
+            self.result.faults.append("oversized_chunk")
             self.result.bad_chunks.append(chunk.key)
             return 0, False
         except StorageError as exc:

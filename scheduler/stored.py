@@ -64,7 +64,7 @@ def find_stored_prefix(
         return found
     now = time.time()
     try:
-        index = PrefixIndex.from_bytes(store.get_fresh(index_key(keys[0]), INDEX_MAX_AGE_S))
+        index = PrefixIndex.read(store, index_key(keys[0]), INDEX_MAX_AGE_S)
     except ObjectNotFound:
         return found
     except StorageError as exc:

@@ -5,13 +5,14 @@ nothing here knows what the bytes mean.
 """
 
 from storage.base import ObjectInfo, ObjectStore
-from storage.errors import ObjectNotFound, StorageError, StorageUnavailable
+from storage.errors import ObjectNotFound, ObjectTooLarge, StorageError, StorageUnavailable
 from storage.url import open_store
 
 __all__ = [
     "ObjectInfo",
     "ObjectNotFound",
     "ObjectStore",
+    "ObjectTooLarge",
     "StorageError",
     "StorageUnavailable",
     "open_store",

@@ -3,6 +3,13 @@
 Keys are '/'-separated relative paths made of ``[A-Za-z0-9._-]`` segments; the
 store treats values as opaque bytes. Batched calls have sequential defaults
 that backends with real round trips override.
+
+Every whole-object read takes a ``limit``: an object larger than that raises
+``ObjectTooLarge`` from its size (Content-Length, a file's size) before its body
+is read, and a body that grows past it while streaming is cut off there. So
+bytes someone else wrote cannot make a reader download or hold more than it
+asked for. Callers pass the largest object they can parse; the default is a
+backstop, not a size anyone should rely on.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from storage.errors import ObjectNotFound
+from storage.errors import ObjectNotFound, ObjectTooLarge
 
 _KEY_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -23,6 +30,14 @@ def check_key(key: str) -> str:
     if not key or any(p in ("", ".", "..") or not _KEY_SEGMENT.match(p) for p in parts):
         raise ValueError(f"invalid object key: {key!r}")
     return key
+
+
+DEFAULT_LIMIT = 256 * 2**20
+
+
+def check_size(key: str, size: int, limit: int) -> None:
+    if size > limit:
+        raise ObjectTooLarge(f"{key}: {size} bytes, over the reader's limit of {limit}")
 
 
 @dataclass(frozen=True)
@@ -38,8 +53,8 @@ class ObjectStore(abc.ABC):
     url: str
 
     @abc.abstractmethod
-    def get(self, key: str) -> bytes:
-        """Whole object; raises ObjectNotFound."""
+    def get(self, key: str, limit: int = DEFAULT_LIMIT) -> bytes:
+        """Whole object; raises ObjectNotFound, or ObjectTooLarge past ``limit`` bytes."""
 
     @abc.abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes:
@@ -61,21 +76,21 @@ class ObjectStore(abc.ABC):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Objects whose key starts with ``prefix``, in key order."""
 
-    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
-        """Objects in order, None for the missing ones."""
+    def get_many(self, keys: Iterable[str], limit: int = DEFAULT_LIMIT) -> list[bytes | None]:
+        """Objects in order, None for the missing ones; ``limit`` applies to each."""
         out: list[bytes | None] = []
         for key in keys:
             try:
-                out.append(self.get(key))
+                out.append(self.get(key, limit))
             except ObjectNotFound:
                 out.append(None)
         return out
 
-    def get_fresh(self, key: str, max_age_s: float) -> bytes:
+    def get_fresh(self, key: str, max_age_s: float, limit: int = DEFAULT_LIMIT) -> bytes:
         """Like ``get``, but a copy cached in this process may be at most ``max_age_s`` old: for
         objects that other processes rewrite or delete (a prefix index), so a cache in front of the
         store serves their deletes within that bound. Stores without a cache read through."""
-        return self.get(key)
+        return self.get(key, limit)
 
     def exists_many(self, keys: Iterable[str]) -> list[bool]:
         return [self.head(k) is not None for k in keys]

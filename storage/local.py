@@ -1,8 +1,9 @@
 """A local directory as an object store (``file:///path``), the embedded default.
 
-Writes go to a temporary file in the same directory and are renamed into
-place, so a reader never sees half an object, and a crash leaves at most a
-stray ``.tmp-*`` file that listing ignores.
+Writes go to a temporary file in the same directory, are fsynced, and are
+renamed into place (the directory fsynced after), so a reader never sees half
+an object, a power failure after ``put`` returns loses nothing, and a crash
+leaves at most a stray ``.tmp-*`` file that listing ignores.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from storage.base import ObjectInfo, ObjectStore, check_key
+from storage.base import DEFAULT_LIMIT, ObjectInfo, ObjectStore, check_key, check_size
 from storage.errors import ObjectNotFound, StorageError
 
 _TMP_PREFIX = ".tmp-"
@@ -30,9 +31,13 @@ class LocalStore(ObjectStore):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, limit: int = DEFAULT_LIMIT) -> bytes:
         try:
-            return self._path(key).read_bytes()
+            with self._path(key).open("rb") as f:
+                check_size(key, os.fstat(f.fileno()).st_size, limit)
+                data = f.read(limit + 1)  # a file that grew since the stat is cut off too
+            check_size(key, len(data), limit)
+            return data
         except FileNotFoundError:
             raise ObjectNotFound(key) from None
         except OSError as exc:
@@ -56,7 +61,10 @@ class LocalStore(ObjectStore):
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())  # the bytes are on disk before the name points at them
                 os.replace(tmp, path)
+                _fsync_dir(path.parent)  # and the rename is too
             except BaseException:
                 os.unlink(tmp)
                 raise
@@ -94,3 +102,11 @@ class LocalStore(ObjectStore):
                     continue
                 found.append(ObjectInfo(key, stat.st_size, stat.st_mtime))
         return iter(sorted(found, key=lambda info: info.key))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

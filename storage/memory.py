@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
-from storage.base import ObjectInfo, ObjectStore, check_key
+from storage.base import DEFAULT_LIMIT, ObjectInfo, ObjectStore, check_key, check_size
 from storage.errors import ObjectNotFound
 
 
@@ -17,11 +17,13 @@ class MemoryStore(ObjectStore):
         self._written: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, limit: int = DEFAULT_LIMIT) -> bytes:
         try:
-            return self._objects[check_key(key)]
+            blob = self._objects[check_key(key)]
         except KeyError:
             raise ObjectNotFound(key) from None
+        check_size(key, len(blob), limit)
+        return blob
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self.get(key)[start : start + length]

@@ -35,7 +35,7 @@ from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
 )
 
-from storage.base import ObjectInfo, ObjectStore, check_key
+from storage.base import DEFAULT_LIMIT, ObjectInfo, ObjectStore, check_key, check_size
 from storage.errors import ObjectNotFound, StorageError, StorageUnavailable
 
 DEFAULT_REGION = "us-east-1"
@@ -199,17 +199,24 @@ class S3Store(ObjectStore):
 
     # -- single objects ----------------------------------------------------
 
-    def _read_body(self, response: dict) -> bytes:  # type: ignore[type-arg]
+    def _read_body(self, response: dict, key: str = "", limit: int | None = None) -> bytes:  # type: ignore[type-arg]
+        """The body, closed after; with ``limit``, refused from its Content-Length before a byte is
+        read, and never read past ``limit + 1`` bytes (a server that lies about the length)."""
         body = response["Body"]
         try:
-            return body.read()
+            if limit is None:
+                return body.read()
+            check_size(key, int(response.get("ContentLength") or 0), limit)
+            data = body.read(limit + 1)
+            check_size(key, len(data), limit)
+            return data
         finally:
             body.close()
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, limit: int = DEFAULT_LIMIT) -> bytes:
         obj_key = self._object_key(key)
         try:
-            return self._read_body(self._client.get_object(Bucket=self.bucket, Key=obj_key))
+            return self._read_body(self._client.get_object(Bucket=self.bucket, Key=obj_key), key, limit)
         except self._CAUGHT as exc:
             raise self._translate(exc, "get", key) from exc
 
@@ -296,17 +303,17 @@ class S3Store(ObjectStore):
                 self._pool = ThreadPoolExecutor(self._parallelism, thread_name_prefix="s3store")
             return self._pool
 
-    def _get_or_none(self, key: str) -> bytes | None:
+    def _get_or_none(self, key: str, limit: int) -> bytes | None:
         try:
-            return self.get(key)
+            return self.get(key, limit)
         except ObjectNotFound:
             return None
 
-    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+    def get_many(self, keys: Iterable[str], limit: int = DEFAULT_LIMIT) -> list[bytes | None]:
         keys = [check_key(k) for k in keys]
         if len(keys) <= 1:
-            return [self._get_or_none(k) for k in keys]
-        return list(self._executor().map(self._get_or_none, keys))
+            return [self._get_or_none(k, limit) for k in keys]
+        return list(self._executor().map(lambda k: self._get_or_none(k, limit), keys))
 
     def exists_many(self, keys: Iterable[str]) -> list[bool]:
         keys = [check_key(k) for k in keys]

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 
-from storage.base import ObjectInfo, ObjectStore, check_key
+from storage.base import DEFAULT_LIMIT, ObjectInfo, ObjectStore, check_key, check_size
 
 
 class LRUCacheStore(ObjectStore):
@@ -88,11 +88,14 @@ class LRUCacheStore(ObjectStore):
 
     # -- reads -----------------------------------------------------------------
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, limit: int = DEFAULT_LIMIT) -> bytes:
+        """A fetch shared with a concurrent caller of the same key runs under the limit of whoever
+        started it (callers of one key ask with one limit: it is set by what the key holds)."""
         check_key(key)
         with self._lock:
             blob = self._lookup(key)
             if blob is not None:
+                check_size(key, len(blob), limit)
                 return blob
             pending = self._inflight.get(key)
             if pending is None:
@@ -103,9 +106,11 @@ class LRUCacheStore(ObjectStore):
                 self.hits += 1  # served by another caller's fetch: not a second round trip
                 owner = False
         if not owner:
-            return pending.result()
+            blob = pending.result()
+            check_size(key, len(blob), limit)
+            return blob
         try:
-            blob = self.backend.get(key)
+            blob = self.backend.get(key, limit)
         except BaseException as exc:
             with self._lock:
                 if self._inflight.get(key) is pending:
@@ -119,13 +124,13 @@ class LRUCacheStore(ObjectStore):
         pending.set_result(blob)
         return blob
 
-    def get_fresh(self, key: str, max_age_s: float) -> bytes:
+    def get_fresh(self, key: str, max_age_s: float, limit: int = DEFAULT_LIMIT) -> bytes:
         check_key(key)
         with self._lock:
             cached_at = self._cached_at.get(key)
             if cached_at is not None and time.monotonic() - cached_at > max_age_s:
                 self._invalidate(key)
-        return self.get(key)
+        return self.get(key, limit)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         check_key(key)
@@ -144,7 +149,7 @@ class LRUCacheStore(ObjectStore):
         # was written), and a cached copy knows neither
         return self.backend.head(check_key(key))
 
-    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+    def get_many(self, keys: Iterable[str], limit: int = DEFAULT_LIMIT) -> list[bytes | None]:
         keys = [check_key(k) for k in keys]
         out: list[bytes | None] = [None] * len(keys)
         missing: list[int] = []
@@ -157,8 +162,11 @@ class LRUCacheStore(ObjectStore):
                     self.misses += 1
                 else:
                     out[i] = blob
+        for key, blob in zip(keys, out, strict=True):
+            if blob is not None:
+                check_size(key, len(blob), limit)
         if missing:
-            fetched = self.backend.get_many([keys[i] for i in missing])
+            fetched = self.backend.get_many([keys[i] for i in missing], limit)
             with self._lock:
                 keep = self._writes == writes_before  # else some fetched bytes may be stale
                 for i, blob in zip(missing, fetched, strict=True):

@@ -124,7 +124,14 @@ def test_unknown_fields_are_ignored_and_named_in_the_log(gateway):
     ]:
         r = httpx.post(f"{gateway.url}{path}", json={**body, "best_of_unknown_field": 2}, timeout=60)
         assert r.status_code == 200, r.text
-    assert gateway.log().count("ignoring unknown request fields: best_of_unknown_field") >= 2
+    assert gateway.log().count('ignoring unknown request fields: "best_of_unknown_field"') >= 2
+    # a field name is client text: it reaches the log escaped, on one line, cut short
+    forged = "x\nERROR forged log line\x1b[31m" + "y" * 200
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1, forged: 1}
+    assert httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60).status_code == 200
+    lines = [line for line in gateway.log().splitlines() if "forged log line" in line]
+    assert len(lines) == 1 and "\\nERROR forged log line\\u001b[31m" in lines[0]
+    assert "y" * 36 in lines[0] and "y" * 37 not in lines[0]  # 64 characters in all
 
 
 def test_streamed_completions_carry_kv_cache_info_without_echo(gateway):

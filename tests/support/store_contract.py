@@ -12,7 +12,7 @@ import time
 import pytest
 
 from storage.base import ObjectStore
-from storage.errors import ObjectNotFound
+from storage.errors import ObjectNotFound, ObjectTooLarge
 
 
 class StoreContract:
@@ -79,6 +79,21 @@ class StoreContract:
         assert got == [None if i % 3 == 0 else f"chunk {i}".encode() for i in range(20)]
         assert store.exists_many(keys) == [bool(i % 3) for i in range(20)]
         assert store.get_many([]) == [] and store.exists_many([]) == []
+
+    def test_reads_stop_at_the_callers_limit(self, store: ObjectStore) -> None:
+        store.put("big", bytes(1000))
+        store.put("small", b"x" * 10)
+        assert store.get("big", limit=1000) == bytes(1000)  # exactly the limit is allowed
+        for _ in range(2):  # the second read may come from a cache in front of the backend
+            with pytest.raises(ObjectTooLarge, match="over the reader's limit of 999"):
+                store.get("big", limit=999)
+        with pytest.raises(ObjectTooLarge):
+            store.get_fresh("big", 0.0, limit=10)
+        with pytest.raises(ObjectTooLarge):
+            store.get_many(["small", "big"], limit=100)
+        assert store.get_many(["small", "missing"], limit=10) == [b"x" * 10, None]
+        with pytest.raises(ObjectNotFound):
+            store.get("missing", limit=1)
 
     @pytest.mark.parametrize("key", ["", "/abs", "a//b", "../x", "a/../b", "a/./b", "sp ace", "a/"])
     def test_rejects_bad_keys(self, store: ObjectStore, key: str) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import asyncio
 
 import httpx
@@ -24,6 +27,34 @@ def test_a_wrong_or_missing_key_is_refused_and_each_key_is_a_tenant():
     assert "key-one" not in repr(one) and b"key-one" not in one.secret
     assert ApiKeys(["key-one"], shared_cache=True).tenant("Bearer key-one") == ANONYMOUS
     assert ApiKeys([]).tenant(None) == ANONYMOUS  # no keys: open
+
+
+def test_a_server_secret_changes_every_tenant_and_is_needed_to_recompute_one():
+    """Ids and salts under a tenant secret are HMACs: the same key and secret give the same tenant
+    (replicas agree), another secret or none gives another (a rotation), and the plain-hash
+    derivation that anyone could compute from a guessed key no longer matches."""
+    plain = ApiKeys(["key-one"]).tenant("Bearer key-one")
+    a = ApiKeys(["key-one"], tenant_secret=b"s1").tenant("Bearer key-one")
+    assert a == ApiKeys(["key-one"], tenant_secret=b"s1").tenant("Bearer key-one")
+    b = ApiKeys(["key-one"], tenant_secret=b"s2").tenant("Bearer key-one")
+    assert len({plain.id, a.id, b.id}) == 3 and len({plain.secret, a.secret, b.secret}) == 3
+    digest = hashlib.sha256(b"key-one").digest()
+    assert a.secret == hmac.new(b"s1", b"cachegen tenant salt\0" + digest, hashlib.sha256).digest()
+
+
+def test_the_tenant_secret_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):
+    from app.settings import Settings
+
+    monkeypatch.setenv("CACHEGEN_TENANT_SECRET", "from-env")
+    assert Settings().tenant_secret_bytes() == b"from-env"
+    assert "from-env" not in repr(Settings())
+    monkeypatch.delenv("CACHEGEN_TENANT_SECRET")
+    (tmp_path / "secret").write_text("from-file\n")
+    assert Settings(tenant_secret_file=tmp_path / "secret").tenant_secret_bytes() == b"from-file"
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        Settings(tenant_secret_file=tmp_path / "empty").tenant_secret_bytes()
+    assert Settings().tenant_secret_bytes() is None
 
 
 def test_keys_must_be_clean():

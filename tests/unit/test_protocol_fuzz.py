@@ -36,7 +36,7 @@ from scheduler.contexts import ContextStore
 from scheduler.errors import ContextNotFound
 from scheduler.layout import MANIFEST_PREFIX, manifest_key
 from scheduler.prefix import CONTEXT_ID_PATTERN, Fingerprint
-from storage.base import check_key
+from storage.base import DEFAULT_LIMIT, check_key
 from storage.local import LocalStore
 from storage.memory import MemoryStore
 
@@ -300,9 +300,9 @@ class RecordingStore(MemoryStore):
         super().__init__()
         self.keys: list[str] = []
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, limit: int = DEFAULT_LIMIT) -> bytes:
         self.keys.append(key)
-        return super().get(key)
+        return super().get(key, limit)
 
     def head(self, key: str):  # type: ignore[no-untyped-def]
         self.keys.append(key)

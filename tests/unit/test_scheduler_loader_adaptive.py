@@ -24,6 +24,7 @@ from scheduler.prefix import make_fingerprint
 from scheduler.prefix_load import KVRequest
 from scheduler.profile import CostProfile
 from scheduler.stored import find_stored_prefix
+from storage.base import DEFAULT_LIMIT
 from storage.memory import MemoryStore
 
 CHUNK = 16
@@ -46,8 +47,8 @@ class SimulatedLink(MemoryStore):
     def resident_many(self, keys):
         return [False for _ in keys]
 
-    def get(self, key: str) -> bytes:
-        data = super().get(key)
+    def get(self, key: str, limit: int = DEFAULT_LIMIT) -> bytes:
+        data = super().get(key, limit)
         if key.endswith("index.json"):
             return data
         with self._lane:

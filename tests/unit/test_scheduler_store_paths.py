@@ -8,20 +8,21 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from codec import DEFAULT_LEVELS, LOSSLESS, Level, Scheme, level_digest
+from codec import DEFAULT_LEVELS, LOSSLESS, Level, Scheme, encode_chunk, level_digest, max_chunk_bytes
 from codec.quantized import QuantParams
-from scheduler.contexts import ContextStore
+from scheduler.contexts import ContextStore, read_manifests
 from scheduler.errors import ContextNotFound, ManifestError, PrefixIndexError
 from scheduler.geometry import KVGeometry
-from scheduler.index import PrefixIndex
+from scheduler.index import MAX_INDEX_BYTES, PrefixIndex
 from scheduler.layout import chunk_object_key, index_key, manifest_key
 from scheduler.loader import PrefixLoader
-from scheduler.manifest import Manifest
+from scheduler.manifest import MAX_MANIFEST_BYTES, Manifest
 from scheduler.prefix import make_fingerprint
 from scheduler.prefix_load import KVRequest
 from scheduler.profile import CostProfile
 from scheduler.stored import find_stored_prefix
 from scheduler.write_back import WriteBack
+from storage.base import DEFAULT_LIMIT
 from storage.memory import MemoryStore
 
 CHUNK = 8
@@ -165,6 +166,73 @@ def test_index_of_another_fingerprint_is_refused(parts):
 def test_oversized_index_is_refused():
     with pytest.raises(PrefixIndexError):
         PrefixIndex.from_bytes(b" " * (9 * 2**20))
+
+
+class CountingReads(MemoryStore):
+    """A MemoryStore that records how many bytes each GET handed out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.served: list[int] = []
+
+    def get(self, key: str, limit: int = DEFAULT_LIMIT) -> bytes:
+        blob = super().get(key, limit)
+        self.served.append(len(blob))
+        return blob
+
+
+def test_an_oversized_index_is_not_downloaded_and_is_a_miss(parts):
+    store, contexts, loader = parts
+    reads = CountingReads()
+    tokens = list(range(16))
+    key = index_key(contexts.keys(tokens)[0])
+    reads.put(key, b" " * (MAX_INDEX_BYTES + 1))
+    found = find_stored_prefix(reads, contexts.fingerprint, CHUNK, contexts.keys(tokens), tokens, [LOSSLESS])
+    assert found.faults == ["corrupt_index"] and reads.served == []
+
+
+def test_a_chunk_larger_than_its_shape_allows_is_not_downloaded(parts):
+    store, contexts, loader = parts
+    tokens = list(range(24))
+    contexts.save(tokens, kv_for(24), [LOSSLESS], 0.0)
+    key = chunk_object_key(contexts.keys(tokens)[1], "lossless", LOSSLESS_DIGEST)
+    store.put(key, bytes(max_chunk_bytes(GEOMETRY.chunk_shape(CHUNK)) + 1))
+    result = load(contexts, loader, tokens)
+    assert result.tokens == CHUNK and result.faults == ["oversized_chunk"]
+    assert result.bad_chunks == [contexts.keys(tokens)[1]]
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 256])
+def test_every_default_level_fits_the_download_bound(tokens):
+    """``max_chunk_bytes`` must never refuse a chunk an encoder wrote: check it on the shipped
+    levels, on the default model's geometry, from one token to a whole chunk."""
+    g = torch.Generator().manual_seed(tokens)
+    shape = (30, 2, 3, tokens, 64)
+    kv = torch.randn(shape, generator=g) * 3
+    for level in DEFAULT_LEVELS:
+        assert len(encode_chunk(kv, level)) <= max_chunk_bytes(shape), level.name
+
+
+def test_manifest_chunk_keys_must_be_digests(parts):
+    store, contexts, _ = parts
+    contexts.save(list(range(8)), kv_for(8), [LOSSLESS], 0.0)
+    (info,) = list(store.list("contexts/"))
+    raw = store.get(info.key).decode()
+    key = Manifest.from_bytes(raw.encode()).chunk_keys[0]
+    for forged in ("..", "kv", key[:-1], key + "/x", ""):
+        with pytest.raises(ManifestError):
+            Manifest.from_bytes(raw.replace(key, forged).encode())
+
+
+def test_an_oversized_manifest_is_not_downloaded(parts):
+    store, contexts, _ = parts
+    contexts.save(list(range(8)), kv_for(8), [LOSSLESS], 0.0)
+    reads = CountingReads()
+    for info in store.list():
+        reads.put(info.key, store.get(info.key))
+    (info,) = list(reads.list("contexts/"))
+    reads.put(info.key, b" " * (MAX_MANIFEST_BYTES + 1))
+    assert read_manifests(reads) == [] and reads.served == []
 
 
 def test_chunk_of_another_shape_is_refused(parts):

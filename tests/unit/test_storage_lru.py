@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from storage.base import DEFAULT_LIMIT
 from storage.errors import ObjectNotFound, StorageUnavailable
 from storage.memory import MemoryStore
 from storage.tiered import LRUCacheStore
@@ -21,12 +22,12 @@ class CountingStore(MemoryStore):
         self.delay = 0.0
         self.down = False
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, limit: int = DEFAULT_LIMIT) -> bytes:
         self.gets += 1
         time.sleep(self.delay)
         if self.down:
             raise StorageUnavailable("backend down")
-        return super().get(key)
+        return super().get(key, limit)
 
 
 @pytest.fixture

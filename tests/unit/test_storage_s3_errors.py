@@ -7,7 +7,7 @@ import io
 import pytest
 from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError, NoCredentialsError
 
-from storage.errors import ObjectNotFound, StorageError, StorageUnavailable
+from storage.errors import ObjectNotFound, ObjectTooLarge, StorageError, StorageUnavailable
 from storage.s3 import S3Store, _MemoryviewReader
 
 
@@ -72,3 +72,26 @@ def test_memoryview_reader_takes_multidimensional_views() -> None:
     ints = array.array("i", range(10))
     reader = _MemoryviewReader(memoryview(ints))
     assert reader.read() == ints.tobytes()
+
+
+class _Body(io.BytesIO):
+    """A response body that records how much of it was read."""
+
+    def read(self, size: int | None = -1) -> bytes:  # type: ignore[override]
+        data = super().read(size)
+        self.taken = getattr(self, "taken", 0) + len(data)
+        return data
+
+
+def test_a_body_over_the_limit_is_refused_from_its_length_before_it_is_read(store: S3Store) -> None:
+    body = _Body(bytes(1 << 20))
+    with pytest.raises(ObjectTooLarge, match="1048576 bytes"):
+        store._read_body({"Body": body, "ContentLength": 1 << 20}, "c/0", limit=1000)
+    assert getattr(body, "taken", 0) == 0 and body.closed
+
+
+def test_a_body_longer_than_its_stated_length_is_cut_off_at_the_limit(store: S3Store) -> None:
+    body = _Body(bytes(1 << 20))
+    with pytest.raises(ObjectTooLarge):
+        store._read_body({"Body": body, "ContentLength": 10}, "c/0", limit=1000)
+    assert body.taken == 1001 and body.closed
