@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
-
-import asyncio
 
 import httpx
 import pytest

@@ -182,7 +182,7 @@ class CountingReads(MemoryStore):
 
 
 def test_an_oversized_index_is_not_downloaded_and_is_a_miss(parts):
-    store, contexts, loader = parts
+    _, contexts, _ = parts
     reads = CountingReads()
     tokens = list(range(16))
     key = index_key(contexts.keys(tokens)[0])
