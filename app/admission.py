@@ -7,6 +7,13 @@ event loop or the model thread: a generation's preparation (memory, store
 probe, prefix load) ends by handing it to the step loop, whose events then
 arrive here. A consumer that goes away (a client that disconnected) sets the
 request's cancel flag; the scheduler drops the request at its next step.
+
+Pre-encodes (``background``) are long (a prefill and an encode of a whole
+context) and run on a pool of their own, so they never hold a prepare thread
+that an interactive request waits for; the step loop serves their prefill after
+every interactive one. Each tenant may have ``max_encodes_per_tenant`` of them
+in flight; the next gets 429 with ``Retry-After``, so one tenant's burst of
+pre-encodes cannot queue the others' behind it.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from app.errors import Overloaded
+from app.errors import Overloaded, TooManyEncodes
+from app.threads import lower_priority
 from scheduler.generation import Finished
 
 T = TypeVar("T")
@@ -26,13 +34,26 @@ StreamJob = Callable[[Emit, threading.Event], None]
 
 
 class Admission:
-    def __init__(self, max_queue: int, threads: int, initializer: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        max_queue: int,
+        threads: int,
+        initializer: Callable[[], None] | None = None,
+        *,
+        encode_threads: int = 2,
+        max_encodes_per_tenant: int = 2,
+    ) -> None:
         self.max_queue = max_queue
+        self.max_encodes_per_tenant = max_encodes_per_tenant
         self._pool = ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix="prepare", initializer=initializer
         )
+        self._encode_pool = ThreadPoolExecutor(
+            max_workers=encode_threads, thread_name_prefix="encode", initializer=_background(initializer)
+        )
         self._lock = threading.Lock()
         self._admitted = 0
+        self._encoding: dict[str | None, int] = {}  # tenant id -> pre-encodes in flight
 
     @property
     def admitted(self) -> int:
@@ -48,13 +69,51 @@ class Admission:
         with self._lock:
             self._admitted -= 1
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Admit, run ``fn(*args)`` on a prepare thread, and wait for its result."""
-        self._admit()
+    async def background(
+        self, tenant: str | None, fn: Callable[..., T], *args: Any, cancel: threading.Event
+    ) -> T:
+        """Admit a pre-encode of ``tenant`` (None: no tenants) and run ``fn(*args, cancel)`` on
+        the encode pool. Leaving (the awaiting task cancelled) sets ``cancel``; the admission is
+        given back when ``fn`` has returned, not before, so a tenant's limit counts work that is
+        still running."""
+        with self._lock:
+            running = self._encoding.get(tenant, 0)
+            if running >= self.max_encodes_per_tenant:
+                raise TooManyEncodes(
+                    f"{running} pre-encodes of this tenant are running (the limit is "
+                    f"{self.max_encodes_per_tenant}): try again when one has finished"
+                )
+            self._encoding[tenant] = running + 1
         try:
-            return await asyncio.wrap_future(self._pool.submit(fn, *args))
-        finally:
+            self._admit()
+        except Overloaded:
+            self._end_encode(tenant)
+            raise
+        try:
+            future = self._encode_pool.submit(fn, *args, cancel)
+        except RuntimeError:  # the pool is shut down
+            self._end_encode(tenant)
             self._release()
+            raise
+
+        def done(_: Any) -> None:
+            self._end_encode(tenant)
+            self._release()
+
+        future.add_done_callback(done)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+
+    def _end_encode(self, tenant: str | None) -> None:
+        with self._lock:
+            left = self._encoding[tenant] - 1
+            if left:
+                self._encoding[tenant] = left
+            else:
+                del self._encoding[tenant]
 
     def stream(self, job: StreamJob) -> EventStream:
         """Admit now (so 429 comes before any response starts); iterate the job's events.
@@ -86,6 +145,16 @@ class Admission:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._encode_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _background(initializer: Callable[[], None] | None) -> Callable[[], None]:
+    def init() -> None:
+        if initializer is not None:
+            initializer()
+        lower_priority()
+
+    return init
 
 
 class EventStream:

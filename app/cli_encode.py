@@ -231,7 +231,9 @@ def _key_space(settings: Any, api_key: str | None, cache_salt: str | None) -> Ke
         if configured and not settings.shared_cache:
             raise ValueError("API keys are configured: give --api-key, the key of the tenant to encode for")
         return ANONYMOUS.key_space(cache_salt)
-    keys = ApiKeys(configured or [api_key], settings.shared_cache, tenant_secret=settings.tenant_secret_bytes())
+    keys = ApiKeys(
+        configured or [api_key], settings.shared_cache, tenant_secret=settings.tenant_secret_bytes()
+    )
     try:
         return keys.tenant(f"Bearer {api_key}").key_space(cache_salt)
     except InvalidApiKey:

@@ -62,6 +62,12 @@ class Overloaded(APIError):
     headers: ClassVar[dict[str, str]] = {"Retry-After": "1"}
 
 
+class TooManyEncodes(Overloaded):
+    """A tenant's pre-encodes in flight are at its limit (``max_encodes_per_tenant``)."""
+
+    headers: ClassVar[dict[str, str]] = {"Retry-After": "5"}  # a pre-encode takes seconds
+
+
 class StoreFailed(APIError):
     status = 503
     type = "server_error"

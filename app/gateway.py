@@ -549,7 +549,13 @@ def build_gateway(settings: Settings) -> Gateway:
         )
     cache = PrefixCache(lambda space: chain_root(fingerprint, space.salt)) if settings.prefix_cache else None
     memory = KVMemory(settings.kv_memory_bytes, reclaim=cache.reclaim if cache is not None else None)
-    admission = Admission(settings.max_queue, max(2, min(8, settings.max_num_seqs)), worker_threads)
+    admission = Admission(
+        settings.max_queue,
+        max(2, min(8, settings.max_num_seqs)),
+        worker_threads,
+        encode_threads=settings.encode_threads,
+        max_encodes_per_tenant=settings.max_encodes_per_tenant,
+    )
     metrics.running.set_function(lambda: loop.running)
     metrics.waiting.set_function(lambda: max(0, admission.admitted - loop.running))
     metrics.kv_memory_used.set_function(lambda: memory.used)

@@ -101,6 +101,9 @@ class Metrics:
             registry=r,
         )
         self.contexts_encoded = Counter("cachegen:contexts_encoded", "Contexts pre-encoded.", registry=r)
+        self.contexts_cancelled = Counter(
+            "cachegen:contexts_encode_cancelled", "Pre-encodes stopped because their client left.", registry=r
+        )
         self.running = Gauge("cachegen:num_requests_running", "Requests on the model.", registry=r)
         self.kv_memory_used = Gauge(
             "cachegen:kv_memory_used_bytes",

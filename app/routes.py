@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app import serving_chat, serving_completions, serving_contexts, serving_tokens
 from app.auth import ANONYMOUS, Tenant
-from app.gateway import Gateway
+from app.gateway import CLIENT_CLOSED, Gateway
 from app.protocol import ChatCompletionRequest, CompletionRequest, ContextRequest, now
 from app.readiness import Readiness
 from app.serving_tokens import DetokenizeRequest, TokenizeRequest
@@ -85,10 +85,14 @@ async def model(model_id: str, gateway: GatewayDep) -> dict:
 # The context routes are served under /v1 too, where an OpenAI client's base URL points.
 
 
-@router.post("/contexts")
-@router.post("/v1/contexts")
-async def create_context(body: ContextRequest, gateway: GatewayDep, tenant: TenantDep) -> dict:
-    return await serving_contexts.create_context(gateway, body, tenant.key_space(body.cache_salt))
+@router.post("/contexts", response_model=None)
+@router.post("/v1/contexts", response_model=None)
+async def create_context(
+    body: ContextRequest, gateway: GatewayDep, tenant: TenantDep, http: Request
+) -> dict | Response:
+    space = tenant.key_space(body.cache_salt)
+    created = await serving_contexts.create_context(gateway, body, space, http.is_disconnected)
+    return Response(status_code=CLIENT_CLOSED) if created is None else created
 
 
 # listing, reading and deleting are per tenant; a client's cache_salt only separates stored KV

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
 import time
 from typing import Any
 
 from app.errors import InvalidRequest
-from app.gateway import Gateway
+from app.gateway import DISCONNECT_POLL_S, Disconnected, Gateway
 from app.protocol import ContextRequest
 from codec import Level
 from scheduler.contexts import StoredPieces
@@ -71,6 +74,10 @@ def context_token_ids(gateway: Gateway, request: ContextRequest) -> list[int]:
     return list(request.prompt_token_ids)
 
 
+class EncodeCancelled(Exception):
+    """The client left before its pre-encode was stored; nothing of it was written."""
+
+
 def encode_tokens(
     gateway: Gateway,
     token_ids: list[int],
@@ -78,19 +85,23 @@ def encode_tokens(
     space: KeySpace,
     ttl_seconds: int | None,
     stored: StoredPieces,
+    cancel: threading.Event,
 ) -> Manifest:
     """Prefill on the step loop, as background work in chunks, then encode and store here what
     ``stored`` lists as missing.
 
-    Runs on a prepare thread: the model thread only sees the prefill chunks, so
-    running streams keep their pace while a context is pre-encoded.
+    Runs on an encode thread: the model thread only sees the prefill chunks, so
+    running streams keep their pace while a context is pre-encoded. ``cancel``
+    stops it at the next prefill step, or before the encode.
     """
     started = time.perf_counter()
     nbytes = len(token_ids) * gateway.runner.kv_bytes_per_token
     gateway.memory.reserve(nbytes)
     try:
         kv = gateway.runner.new_kv(len(token_ids))
-        gateway.loop.prefill(kv, 0, token_ids, background=True)
+        if not gateway.loop.prefill(kv, 0, token_ids, background=True, cancel=cancel) or cancel.is_set():
+            gateway.metrics.contexts_cancelled.inc()
+            raise EncodeCancelled
         compute_seconds = time.perf_counter() - started
         manifest = gateway.contexts.save(
             token_ids,
@@ -110,8 +121,12 @@ def encode_tokens(
 
 
 async def create_context(
-    gateway: Gateway, request: ContextRequest, space: KeySpace = PUBLIC
-) -> dict[str, Any]:
+    gateway: Gateway,
+    request: ContextRequest,
+    space: KeySpace = PUBLIC,
+    disconnected: Disconnected | None = None,
+) -> dict[str, Any] | None:
+    """The context object; None when the client left first (its pre-encode is then cancelled)."""
     gateway.check_model(request.model)
     gateway.warn_ignored(request.ignored_fields())
     levels = gateway.encode_levels(request.levels)
@@ -137,10 +152,33 @@ async def create_context(
             gateway, gateway.contexts.save, token_ids, None, levels, 0.0, space, request.ttl_seconds, stored
         )
         return context_object(manifest, encoded=False)
-    manifest = await gateway.admission.call(
-        encode_tokens, gateway, token_ids, levels, space, request.ttl_seconds, stored
+    cancel = threading.Event()
+    task = asyncio.ensure_future(
+        gateway.admission.background(
+            space.tenant,
+            encode_tokens,
+            gateway,
+            token_ids,
+            levels,
+            space,
+            request.ttl_seconds,
+            stored,
+            cancel=cancel,
+        )
     )
-    return context_object(manifest, encoded=True)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            try:
+                manifest = task.result()
+            except EncodeCancelled:
+                return None
+            return context_object(manifest, encoded=True)
+        if disconnected is not None and await disconnected():
+            cancel.set()
+            with contextlib.suppress(asyncio.CancelledError, EncodeCancelled):
+                await task  # the admission is given back when the encode thread has stopped
+            return None
 
 
 def _outlives(ttl_seconds: int | None, manifest: Manifest) -> bool:
@@ -169,6 +207,4 @@ async def delete_context(gateway: Gateway, context_id: str, space: KeySpace = PU
 
 
 async def _io(gateway: Gateway, fn: Any, *args: Any) -> Any:
-    import asyncio
-
     return await asyncio.wrap_future(gateway.io_pool.submit(fn, *args))

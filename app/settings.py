@@ -99,6 +99,12 @@ class Settings(BaseSettings):
     # serving
     max_queue: int = Field(64, ge=1, description="requests in flight (loading, waiting, running) before 429")
     max_num_seqs: int = Field(16, ge=1, description="sequences batched into one step; 1 turns batching off")
+    encode_threads: int = Field(
+        2, ge=1, le=64, description="pre-encodes run at once (on threads of their own, not the requests')"
+    )
+    max_encodes_per_tenant: int = Field(
+        2, ge=1, description="pre-encodes one tenant may have in flight; 429 with Retry-After beyond"
+    )
     max_batched_tokens: int | None = Field(
         None,
         ge=1,

@@ -83,6 +83,28 @@ def configure_threads(budget: ThreadBudget, model_thread: bool = False) -> None:
         torch.set_num_threads(budget.torch_alone)
 
 
+BACKGROUND_NICE = 10
+
+
+def lower_priority(nice: int = BACKGROUND_NICE) -> None:
+    """Put the calling thread in Linux's SCHED_IDLE class (else raise its nice value), so that it
+    runs on what the model thread's torch threads leave idle: a CPU-bound thread at equal
+    priority takes a core from one of them, and the other then spins at every barrier of every
+    op. Linux schedules threads on their own. Elsewhere, or where it is not allowed, nothing
+    changes."""
+    import os
+    import threading
+
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except (AttributeError, OSError):
+            pass
+
+
 def worker_initializer(budget: ThreadBudget) -> Callable[[], None]:
     """For ``ThreadPoolExecutor(initializer=...)``: one torch thread, the budget's numba threads."""
 

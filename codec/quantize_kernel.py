@@ -15,7 +15,7 @@ from codec.rans import ALPHABET, BIAS, ESCAPE
 _OUTSIDE = ALPHABET  # histogram bin of residuals beyond +-BIAS
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, nogil=True)
 def quantize_rows(x, step, cost, freq, symbols, escapes, family, center):
     """``x`` (rows, tokens, dim) float32, ``step`` (rows, dim) float32.
 

@@ -57,7 +57,7 @@ def _put(x, start, freq, buf, pos):
     return x, pos
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, nogil=True)
 def encode_streams(symbols, escapes, channel_family, cum, freq, tokens, channels_per_stream, out, out_len):
     """Encode every stream; stream ``s`` codes channels ``s * channels_per_stream + c``.
 
@@ -104,7 +104,7 @@ def _get(x, words, pos, end):
     return x, pos
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _decode_stream(words, pos, end, fams, centers, steps, cum, freq, slot_symbol, tokens, out, row, c0):
     cps = fams.shape[0]
     x = np.int64(words[pos]) | (np.int64(words[pos + 1]) << 16)
@@ -141,7 +141,7 @@ def _decode_stream(words, pos, end, fams, centers, steps, cum, freq, slot_symbol
     return OK
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, nogil=True)
 def decode_streams(
     words,
     offsets,

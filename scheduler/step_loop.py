@@ -9,9 +9,17 @@ pre-encode is spread over many steps instead of stalling them all.
 
 Prefill is served interactive first (generations' prompts and their prefix's
 text chunks, oldest first), then background work (pre-encodes). With nothing
-decoding, prefill may take up to ``IDLE_PREFILL_TOKENS`` per step: there is no
-stream to stall, and each step's fixed cost (a pass over the weights) is then
-spread over more tokens.
+decoding, interactive prefill may take up to ``IDLE_PREFILL_TOKENS`` per step:
+there is no stream to stall, and each step's fixed cost (a pass over the
+weights) is then spread over more tokens. Background work waits for
+interactive work: alone it takes at most ``BACKGROUND_STEP_TOKENS`` a step, so
+a request that arrives during a pre-encode waits at most one such step; beside
+interactive work it rides along with ``MIN_PREFILL_TOKENS`` once every
+``BACKGROUND_AGING_S``, so a steady stream of chats slows pre-encodes but
+never stops them.
+(Filling every step up to the budget with pre-encode tokens, 512 with nothing
+decoding, made a short chat 9x slower than idle under a burst of pre-encodes
+on 2 cores: ``benchmarks/encode_fairness.py``.)
 
 Nothing but the model runs here. A generation arrives with its prefix already
 loaded (``submit``); at most ``max_num_seqs`` are running, the rest wait in
@@ -40,6 +48,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 IDLE_PREFILL_TOKENS = 512
+BACKGROUND_STEP_TOKENS = 128
+BACKGROUND_AGING_S = 0.5  # beside interactive work, background prefill gets a step's share this often
 MIN_PREFILL_TOKENS = 16  # prompts progress however many streams decode
 
 
@@ -99,6 +109,7 @@ class StepLoop:
         self._waiting: deque[Generation] = deque()  # loaded, waiting for a batch slot
         self._running: list[Generation] = []
         self._tasks: list[PrefillTask] = []
+        self._background_at = 0.0  # when background prefill last rode along with interactive work
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="model", daemon=True)
@@ -215,15 +226,13 @@ class StepLoop:
         budget = max(limit - len(decoding), MIN_PREFILL_TOKENS)
         prefills: list[Generation | PrefillTask] = [g for g in self._running if g.prefilling]
         prefills += sorted((t for t in tasks if not t.background and not t.done.is_set()), key=_arrival)
-        prefills += sorted((t for t in tasks if t.background and not t.done.is_set()), key=_arrival)
-        for owner in prefills:
-            if budget <= 0:
-                break
-            segment = owner.segment(budget)
-            if segment is None:
-                continue
-            budget -= len(segment.token_ids)
-            work.append((owner, segment))
+        budget = self._fill(work, prefills, budget)
+        background = sorted((t for t in tasks if t.background and not t.done.is_set()), key=_arrival)
+        if not work:
+            self._fill(work, background, BACKGROUND_STEP_TOKENS)
+        elif background and time.monotonic() - self._background_at >= BACKGROUND_AGING_S:
+            self._fill(work, background, min(budget, MIN_PREFILL_TOKENS))  # never starved outright
+            self._background_at = time.monotonic()
         if not work:
             return
         self._set_threads()
@@ -250,6 +259,23 @@ class StepLoop:
                 log.exception("request failed after a model step")
                 owner.fail(exc)
         self._forget_done()
+
+    @staticmethod
+    def _fill(
+        work: list[tuple[Generation | PrefillTask, Segment]],
+        owners: list[Generation | PrefillTask],
+        budget: int,
+    ) -> int:
+        """Add prefill segments of ``owners``, in order, within ``budget`` tokens; returns what is left."""
+        for owner in owners:
+            if budget <= 0:
+                break
+            segment = owner.segment(budget)
+            if segment is None:
+                continue
+            budget -= len(segment.token_ids)
+            work.append((owner, segment))
+        return budget
 
     def _set_threads(self) -> None:
         """Give this step its torch threads. torch keeps the count per thread, but a thread's first

@@ -21,7 +21,7 @@ from engine.ragged import Segment
 from engine.sampling import SamplingParams
 from scheduler.generation import Finished, Generation, GenerationJob, PrefixReport, PromptDone, TokenEvent
 from scheduler.kv_memory import KVMemory
-from scheduler.step_loop import StepLoop
+from scheduler.step_loop import BACKGROUND_STEP_TOKENS, MIN_PREFILL_TOKENS, StepLoop
 
 pytestmark = pytest.mark.slow
 
@@ -274,3 +274,41 @@ def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(runner):
     finally:
         vars(runner).pop("forward_ragged", None)
         loop.stop()
+
+
+def test_background_prefill_keeps_out_of_interactive_steps(runner):
+    """A pre-encode's prefill takes at most BACKGROUND_STEP_TOKENS a step alone, and at most
+    MIN_PREFILL_TOKENS beside a decoding stream or a prompt, so interactive work waits at most
+    one short step for it; and it still completes, with the KV one pass gives."""
+    ids = chat_ids(runner, " ".join(PROMPTS) * 8)
+    assert len(ids) > 2 * BACKGROUND_STEP_TOKENS
+    steps: list[list[Segment]] = []
+    loop = StepLoop(runner, max_num_seqs=4, max_batched_tokens=64)
+    original = runner.forward_ragged
+
+    def spy(segments):
+        steps.append(list(segments))
+        return original(segments)
+
+    runner.forward_ragged = spy
+    kv = runner.new_kv(len(ids))
+    try:
+        encode = threading.Thread(target=loop.prefill, args=(kv, 0, ids), kwargs={"background": True})
+        encode.start()
+        while not steps:
+            time.sleep(0.01)
+        stream = start(loop, runner, chat_ids(runner, PROMPTS[1]), 12)
+        wait_all([stream])
+        encode.join(300)
+    finally:
+        del runner.forward_ragged
+        loop.stop()
+    assert not encode.is_alive()
+    for segments in steps:
+        background = sum(len(s.token_ids) for s in segments if s.kv is kv)
+        interactive = sum(len(s.token_ids) for s in segments if s.kv is not kv)
+        assert background <= (MIN_PREFILL_TOKENS if interactive else BACKGROUND_STEP_TOKENS)
+    assert any(s.kv is kv for segments in steps for s in segments if len(segments) > 1)  # it progressed
+    whole = runner.new_kv(len(ids))
+    runner.forward_ragged([Segment(whole, 0, ids, "none")])
+    assert torch.allclose(kv, whole, atol=1e-4)

@@ -14,7 +14,7 @@ from scheduler.contexts import ContextStore, read_manifests
 from scheduler.errors import ContextNotFound, ManifestError, PrefixIndexError
 from scheduler.geometry import KVGeometry
 from scheduler.index import MAX_INDEX_BYTES, PrefixIndex
-from scheduler.layout import chunk_object_key, index_key, manifest_key
+from scheduler.layout import chunk_object_key, index_key, manifest_key, manifest_prefix
 from scheduler.loader import PrefixLoader
 from scheduler.manifest import MAX_MANIFEST_BYTES, Manifest
 from scheduler.prefix import make_fingerprint
@@ -306,3 +306,48 @@ def test_broken_manifest_is_skipped_when_listing(parts):
 
 def test_default_levels_have_distinct_digests():
     assert len({level_digest(lv) for lv in DEFAULT_LEVELS}) == len(DEFAULT_LEVELS)
+
+
+class RecordingReads(MemoryStore):
+    """A MemoryStore that records the keys it GETs and the prefixes it lists."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.got: list[str] = []
+        self.listed: list[str] = []
+
+    def get(self, key: str, limit: int = DEFAULT_LIMIT) -> bytes:
+        self.got.append(key)
+        return super().get(key, limit)
+
+    def list(self, prefix: str = ""):  # type: ignore[no-untyped-def]
+        self.listed.append(prefix)
+        return super().list(prefix)
+
+
+def test_listing_and_deleting_read_only_the_callers_tenant():
+    store = RecordingReads()
+    pool = ThreadPoolExecutor(2)
+    fp = make_fingerprint(weights="w", config={}, vocabulary="v", chunk_size=CHUNK)
+    contexts = ContextStore(store, fp, "m", CHUNK, pool)
+    a = KeySpace.derive("a" * 32, b"secret a", None)
+    b = KeySpace.derive("b" * 32, b"secret b", None)
+    for seed in range(5):
+        contexts.save(list(range(seed, seed + 8)), kv_for(8, seed), [LOSSLESS], 0.0, space=a)
+    mine = contexts.save(list(range(100, 108)), kv_for(8), [LOSSLESS], 0.0, space=b)
+    contexts.save(list(range(200, 208)), kv_for(8), [LOSSLESS], 0.0)  # no tenant
+    store.got.clear()
+    store.listed.clear()
+    assert [m.id for m in contexts.list(b)] == [mine.id]
+    assert store.got == [manifest_key(mine.id, b.tenant)]  # one manifest read: its own
+    assert all(p.startswith(manifest_prefix(b.tenant)) for p in store.listed)
+    store.got.clear()
+    store.listed.clear()
+    contexts.delete(mine.id, b)
+    manifests_read = [k for k in store.got if k.startswith("contexts/")]
+    assert manifests_read == [manifest_key(mine.id, b.tenant)]
+    assert not any(p.startswith("contexts/") and not p.startswith(manifest_prefix(b.tenant)) for p in store.listed)
+    assert len(contexts.list(a)) == 5 and len(contexts.list()) == 1 and contexts.list(b) == []
+    # the collector still sees every tenant's contexts
+    assert len(read_manifests(store)) == 6
+    pool.shutdown()
