@@ -35,6 +35,7 @@ from scheduler.layout import (
     context_id_from_manifest_key,
     index_key,
     manifest_key,
+    manifest_prefix,
     used_key,
 )
 from scheduler.manifest import Manifest
@@ -251,7 +252,7 @@ class ContextStore:
             tenant=space.tenant,
             expires=expires,
         )
-        self.store.put(manifest_key(manifest.id), manifest.to_bytes())
+        self.store.put(manifest_key(manifest.id, manifest.tenant), manifest.to_bytes())
         return manifest
 
     def get(self, ctx_id: str, space: KeySpace = PUBLIC) -> Manifest:
@@ -259,7 +260,7 @@ class ContextStore:
         if not re.fullmatch(CONTEXT_ID_PATTERN, ctx_id):
             raise ContextNotFound(ctx_id)
         try:
-            manifest = Manifest.read(self.store, manifest_key(ctx_id))
+            manifest = Manifest.read(self.store, manifest_key(ctx_id, space.tenant))
         except ObjectNotFound:
             raise ContextNotFound(ctx_id) from None
         if (
@@ -272,15 +273,12 @@ class ContextStore:
             raise ContextNotFound(ctx_id)  # the same answer as for an id never stored
         return manifest
 
-    def manifests(self) -> list[Manifest]:
-        return read_manifests(self.store)
-
     def list(self, space: KeySpace = PUBLIC) -> list[Manifest]:
-        """This model's live contexts of ``space``'s tenant."""
+        """This model's live contexts of ``space``'s tenant (reads that tenant's manifests only)."""
         now = time.time()
         manifests = [
             m
-            for m in self.manifests()
+            for m in read_manifests(self.store, tenant=space.tenant)
             if m.fingerprint == self.fingerprint.hex and m.tenant == space.tenant and not m.expired(now)
         ]
         return sorted(manifests, key=lambda m: (m.created, m.id))
@@ -345,13 +343,19 @@ def update_index(
         store.put(key, index.to_bytes())
 
 
-def read_manifests(store: ObjectStore, known: Mapping[str, Manifest] | None = None) -> list[Manifest]:
-    """Every readable manifest in the store: all models and tenants, expired or not.
+ALL_TENANTS = object()  # read_manifests: every owner's
+
+
+def read_manifests(
+    store: ObjectStore, known: Mapping[str, Manifest] | None = None, tenant: str | None | object = ALL_TENANTS
+) -> list[Manifest]:
+    """Every readable manifest of ``tenant`` (by default of every tenant): all models, expired or not.
 
     ``known``: manifests the caller read moments ago, by id; those still
     listed are taken from it instead of being read again."""
     found = []
-    for info in store.list(MANIFEST_PREFIX):
+    prefix = MANIFEST_PREFIX if tenant is ALL_TENANTS else manifest_prefix(tenant)  # type: ignore[arg-type]
+    for info in store.list(prefix):
         ctx_id = context_id_from_manifest_key(info.key)
         if ctx_id is None:
             continue
@@ -359,9 +363,14 @@ def read_manifests(store: ObjectStore, known: Mapping[str, Manifest] | None = No
             found.append(known[ctx_id])
             continue
         try:
-            found.append(Manifest.read(store, info.key))
+            manifest = Manifest.read(store, info.key)
         except (ObjectNotFound, ManifestError) as exc:
             log.warning("skipping manifest %s: %s", info.key, exc)
+            continue
+        if info.key != manifest_key(manifest.id, manifest.tenant):
+            log.warning("skipping manifest %s: it names another id or tenant", info.key)
+            continue
+        found.append(manifest)
     return found
 
 
@@ -378,12 +387,14 @@ def remove_context(
     their objects go. Chunks a shared prefix still needs are kept. The
     manifests are listed again here (one written since the caller read them
     keeps its chunks); ``known`` saves reading again those already read.
+    Only the same tenant's contexts can share its chunks (other tenants' keys
+    are salted apart), so only its manifests are read.
     """
-    store.delete(manifest_key(manifest.id))
+    store.delete(manifest_key(manifest.id, manifest.tenant))
     now = time.time()
     still_used = {
         key
-        for other in read_manifests(store, known)
+        for other in read_manifests(store, known, tenant=manifest.tenant)
         if other.id != manifest.id and not other.expired(now)
         for key in other.stored_keys
     }

@@ -4,13 +4,16 @@
     kv/<first chunk key>/index.json         what is stored under that first chunk (sizes per level)
     kv/<first chunk key>/used               empty; its write time is when a request last loaded
                                             a prefix that starts there (eviction's recency)
-    contexts/<context id>.json              a pre-encoded context's manifest, written last
+    contexts/<owner>/<context id>.json      a pre-encoded context's manifest, written last; the
+                                            owner is its tenant's id, or ``public`` without tenants
 
 One object per (chunk, level) lets a reader fetch exactly the level it picked
 with a plain GET. The level digest in the name keeps gateways whose level
 tables give one name different parameters from ever reading each other's
 bytes under that name. The index lets a reader plan a whole prefix (which
 levels exist, how many bytes each) from one GET, before fetching any chunk.
+A tenant's manifests share a prefix, so listing its contexts lists and reads
+only its own.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 CHUNK_PREFIX = "kv/"
 MANIFEST_PREFIX = "contexts/"
 _MANIFEST_SUFFIX = ".json"
+PUBLIC_OWNER = "public"  # contexts of no tenant; tenant ids are 32 hex digits, never this
 INDEX_NAME = "index.json"
 USED_NAME = "used"
 
@@ -52,11 +56,18 @@ def chunk_key_of(object_key: str) -> str | None:
     return key if sep else None
 
 
-def manifest_key(context_id: str) -> str:
-    return f"{MANIFEST_PREFIX}{context_id}{_MANIFEST_SUFFIX}"
+def manifest_prefix(tenant: str | None) -> str:
+    """Prefix of every manifest of ``tenant`` (None: contexts of no tenant)."""
+    return f"{MANIFEST_PREFIX}{tenant or PUBLIC_OWNER}/"
+
+
+def manifest_key(context_id: str, tenant: str | None = None) -> str:
+    return f"{manifest_prefix(tenant)}{context_id}{_MANIFEST_SUFFIX}"
 
 
 def context_id_from_manifest_key(key: str) -> str | None:
-    if key.startswith(MANIFEST_PREFIX) and key.endswith(_MANIFEST_SUFFIX):
-        return key[len(MANIFEST_PREFIX) : -len(_MANIFEST_SUFFIX)]
-    return None
+    """The context id of ``contexts/<owner>/<id>.json``; None for any other key."""
+    if not (key.startswith(MANIFEST_PREFIX) and key.endswith(_MANIFEST_SUFFIX)):
+        return None
+    owner, sep, name = key[len(MANIFEST_PREFIX) : -len(_MANIFEST_SUFFIX)].partition("/")
+    return name if sep and owner and name and "/" not in name else None

@@ -71,7 +71,7 @@ class StoreCollector:
         live = [m for m in manifests if not m.expired(now)]
         for manifest in manifests:
             if manifest.expired(now):
-                self.store.delete(manifest_key(manifest.id))
+                self.store.delete(manifest_key(manifest.id, manifest.tenant))
                 report.expired_contexts += 1
 
         dirs = self._chunk_dirs()

@@ -87,8 +87,11 @@ class LocalStore(ObjectStore):
             raise StorageError(f"delete {key}: {exc}") from exc
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Walks only the directory the prefix's complete segments name: listing one context's
+        chunks or one tenant's manifests does not visit the rest of the store."""
         found: list[ObjectInfo] = []
-        for dirpath, _dirs, files in os.walk(self.root):
+        top = self.root / check_key(prefix.rpartition("/")[0]) if "/" in prefix else self.root
+        for dirpath, _dirs, files in os.walk(top):
             rel_dir = Path(dirpath).relative_to(self.root)
             for name in files:
                 if name.startswith(_TMP_PREFIX):

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-
 from pathlib import Path
 
 import httpx
 import pytest
 
 from codec import LOSSLESS, level_digest
-from scheduler.layout import object_name
+from scheduler.layout import manifest_key, object_name
 from tests.conftest import MODEL_NAME
 from tests.forged_chunks import zstd_bomb
 from tests.gateway_process import GatewayProcess
@@ -66,7 +65,7 @@ def metric(url: str, name: str, **labels: str) -> float:
 def chunk_object_keys(server, bucket: str, context_id: str) -> list[str]:
     client = server.client()
     manifest = json.loads(
-        client.get_object(Bucket=bucket, Key=f"{PREFIX}/contexts/{context_id}.json")["Body"].read()
+        client.get_object(Bucket=bucket, Key=f"{PREFIX}/{manifest_key(context_id)}")["Body"].read()
     )
     name = object_name("lossless", level_digest(LOSSLESS))
     return [f"{PREFIX}/kv/{key}/{name}" for key in manifest["chunk_keys"]]

@@ -89,4 +89,4 @@ def test_past_the_grace_running_work_is_cancelled_and_no_half_context_is_listed(
         assert "data: [DONE]" not in tail  # 2000 tokens could not finish within the grace
         assert outcome.get("status") == 503  # the encode was cancelled, and told why
     # the manifest is written last: an interrupted encode leaves none, so nothing is listed
-    assert list(store.glob("contexts/*.json")) == []
+    assert list(store.glob("contexts/**/*.json")) == []

@@ -332,7 +332,7 @@ def test_a_context_id_reads_only_its_manifest_under_contexts(pool, context_id):
     else:
         key = manifest_key(context_id)
         assert store.keys and set(store.keys) == {key}
-        assert check_key(key) == key and key.startswith(MANIFEST_PREFIX) and key.count("/") == 1
+        assert check_key(key) == key and key.startswith(MANIFEST_PREFIX) and key.count("/") == 2
 
 
 @settings(FUZZ, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -21,6 +21,7 @@ from scheduler.prefix import make_fingerprint
 from scheduler.prefix_load import KVRequest
 from scheduler.profile import CostProfile
 from scheduler.stored import find_stored_prefix
+from scheduler.tenancy import KeySpace
 from scheduler.write_back import WriteBack
 from storage.base import DEFAULT_LIMIT
 from storage.memory import MemoryStore

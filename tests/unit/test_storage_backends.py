@@ -23,6 +23,32 @@ class TestLocalStore(StoreContract):
         (store.root / "a" / ".tmp-crashed").write_bytes(b"partial")
         assert [i.key for i in store.list()] == ["a/1"]
 
+    def test_listing_a_prefix_walks_only_its_directory(self, store: LocalStore, monkeypatch) -> None:
+        import os
+
+        import storage.local
+
+        for key in ("contexts/t1/a.json", "contexts/t1/b.json", "contexts/t2/c.json", "kv/x/0"):
+            store.put(key, b"x")
+        walked: list[str] = []
+        real_walk = os.walk
+
+        def walk(top, *args, **kwargs):  # type: ignore[no-untyped-def]
+            walked.append(Path(top).relative_to(store.root).as_posix())
+            return real_walk(top, *args, **kwargs)
+
+        monkeypatch.setattr(storage.local.os, "walk", walk)
+        assert [i.key for i in store.list("contexts/t1/")] == ["contexts/t1/a.json", "contexts/t1/b.json"]
+        assert [i.key for i in store.list("contexts/t")] == [
+            "contexts/t1/a.json",
+            "contexts/t1/b.json",
+            "contexts/t2/c.json",
+        ]
+        assert [i.key for i in store.list("kv/x/0")] == ["kv/x/0"]
+        assert walked == ["contexts/t1", "contexts", "kv/x"]
+        with pytest.raises(ValueError):
+            list(store.list("../outside/"))
+
     def test_keys_stay_inside_the_root(self, store: LocalStore, tmp_path: Path) -> None:
         with pytest.raises(ValueError):
             store.put("../escape", b"x")
