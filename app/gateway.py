@@ -8,7 +8,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -479,16 +479,27 @@ def warm_up_codec(levels: tuple[Level, ...], geometry: KVGeometry) -> None:
         decode_chunk(encode_chunk(sample, level))
 
 
+@contextlib.contextmanager
+def _stage(what: str) -> Iterator[None]:
+    """Log a start-up stage as it starts and with its time when done: start-up takes seconds (the
+    model, its content digest, the codec's compile, the cost profile) and should say so."""
+    log.info("start-up: %s ...", what)
+    started = time.perf_counter()
+    yield
+    log.info("start-up: %s done in %.1f s", what, time.perf_counter() - started)
+
+
 def build_gateway(settings: Settings) -> Gateway:
     threads = thread_budget(settings.torch_threads, settings.numba_threads)
     configure_threads(threads)
-    loaded = load_model(
-        settings.model,
-        device=settings.device,
-        cache_dir=settings.cache_dir,
-        served_name=settings.served_model_name,
-        dtype=settings.dtype,
-    )
+    with _stage(f"loading the model {settings.model or 'default'}"):
+        loaded = load_model(
+            settings.model,
+            device=settings.device,
+            cache_dir=settings.cache_dir,
+            served_name=settings.served_model_name,
+            dtype=settings.dtype,
+        )
     runner = ModelRunner(loaded)
     if settings.max_model_len and settings.max_model_len > runner.max_context:
         log.warning(
@@ -496,9 +507,10 @@ def build_gateway(settings: Settings) -> Gateway:
             settings.max_model_len,
             runner.max_context,
         )
-    identity = model_identity(
-        loaded.model, loaded.tokenizer.get_vocab(), loaded.weights_dir, settings.cache_dir
-    )
+    with _stage("the weights' content digest (cached beside the weights after the first time)"):
+        identity = model_identity(
+            loaded.model, loaded.tokenizer.get_vocab(), loaded.weights_dir, settings.cache_dir
+        )
     fingerprint = make_fingerprint(
         weights=identity.weights,
         config=identity.config,
@@ -506,7 +518,8 @@ def build_gateway(settings: Settings) -> Gateway:
         vocabulary=identity.vocabulary,
         chunk_size=settings.chunk_size,
     )
-    store = open_store(settings.store_url, cache_bytes=settings.store_cache_bytes)
+    with _stage(f"opening the KV store {settings.store_url}"):
+        store = open_store(settings.store_url, cache_bytes=settings.store_cache_bytes)
     # every thread but the model thread runs torch on one thread (app/threads.py)
     worker_threads = worker_initializer(threads)
     io_pool = ThreadPoolExecutor(
@@ -526,12 +539,14 @@ def build_gateway(settings: Settings) -> Gateway:
     metrics = Metrics()
     table = load_levels(settings)
     levels = table.levels
-    warm_up_codec(levels, geometry)
+    with _stage("compiling the codec (numba's cache makes it quick after the first time)"):
+        warm_up_codec(levels, geometry)
     profile_file = profile_path(
         settings.cache_dir, profile_key(fingerprint.hex, runner, list(levels), settings.chunk_size)
     )
     # measured on the model thread, at the speed requests will see
-    profile = loop.call(load_or_measure, profile_file, runner, list(levels), settings.chunk_size)
+    with _stage(f"the cost profile ({'cached' if profile_file.exists() else 'measuring this machine'})"):
+        profile = loop.call(load_or_measure, profile_file, runner, list(levels), settings.chunk_size)
     loader = PrefixLoader(store, geometry, io_pool, profile, codec_gate=codec_gate)
     store_levels = default_store_levels(levels, profile, settings.chunk_size, runner.kv_bytes_per_token)
     log.info(

@@ -242,6 +242,11 @@ def test_json_log_lines_carry_the_request_id(json_gateway):
     assert r.status_code == 404 and r.headers["x-request-id"] == rid
     records = json_records(json_gateway)
     assert any(rec["message"].startswith("serving ") for rec in records)  # start-up lines too
+    # every start-up stage says when it starts and how long it took
+    stages = [rec["message"] for rec in records if rec["message"].startswith("start-up: ")]
+    for stage in ("loading the model", "content digest", "KV store", "compiling the codec", "cost profile"):
+        assert any(stage in m and m.endswith(" ...") for m in stages), (stage, stages)
+        assert any(stage in m and re.search(r"done in \d+\.\d s$", m) for m in stages), (stage, stages)
     mine = [rec for rec in records if rec.get("request_id") == rid]
     errors = [rec for rec in mine if rec["level"] == "warning"]
     assert len(errors) == 1, mine
