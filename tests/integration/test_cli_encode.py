@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scheduler.layout import manifest_key
 from tests.gateway_process import REPO
 
 pytestmark = pytest.mark.slow
@@ -54,7 +55,7 @@ def test_encode_files_into_the_store(tmp_path, gateway, model_dir):
     assert out.returncode == 0, out.stderr
     line = json.loads(out.stdout)  # stdout holds only the results; progress is on stderr
     assert line["file"] == str(source) and line["cached_tokens"] >= 256
-    assert (store / "contexts" / f"{line['id']}.json").is_file()
+    assert (store / manifest_key(line["id"])).is_file()
     # real progress: the prefill in tokens, then one encode per chunk and level
     assert last_progress(out.stderr, "prefill") == (line["tokens"], line["tokens"])
     assert last_progress(out.stderr, "encode") == (line["chunks"], line["chunks"])  # one level

@@ -7,6 +7,7 @@ import time
 import httpx
 import pytest
 
+from scheduler.layout import manifest_key
 from tests.conftest import MODEL_NAME
 from tests.gateway_process import GatewayProcess
 
@@ -46,9 +47,9 @@ def test_the_sweep_collects_an_expired_context_and_the_cap_evicts_the_least_rece
         url = gw.url
         brief = encode(url, ids[0], ttl_seconds=1)
         deadline = time.monotonic() + 30
-        while (store / "contexts" / f"{brief['id']}.json").exists() and time.monotonic() < deadline:
+        while (store / manifest_key(brief["id"])).exists() and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not (store / "contexts" / f"{brief['id']}.json").exists()  # collected without `gc`
+        assert not (store / manifest_key(brief["id"])).exists()  # collected without `gc`
         assert metric(url, "cachegen:contexts_expired_total") == 1
 
         first = encode(url, ids[1])
