@@ -87,9 +87,9 @@ def test_parallel_batches_are_parallel(store: S3Store) -> None:
     threads: set[str] = set()
     original = store.get
 
-    def recording_get(key: str) -> bytes:
+    def recording_get(key: str, limit: int) -> bytes:
         threads.add(threading.current_thread().name)
-        return original(key)
+        return original(key, limit)
 
     store.get = recording_get  # type: ignore[method-assign]
     store.get_many(keys)
