@@ -177,7 +177,8 @@ def _encode(args: argparse.Namespace, texts: list[tuple[Path, str]], prog: str) 
     check_device(settings.device)
     check_model(settings.model)
     logging.basicConfig(level=logging.WARNING)
-    from app.gateway import build_gateway, load_levels
+    from app.build import build_gateway
+    from app.gateway import load_levels
 
     known = [level.name for level in load_levels(settings).levels]
     unknown = [name for name in args.levels or settings.encode_levels or [] if name not in known]

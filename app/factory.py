@@ -20,8 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.auth import ApiKeyAuth, ApiKeys
 from app.body_limit import BodyLimit
+from app.build import build_gateway
 from app.errors import StoreFailed, error_response, install_error_handlers, to_api_error
-from app.gateway import Gateway, build_gateway
+from app.gateway import Gateway
 from app.metrics import Metrics
 from app.readiness import Readiness
 from app.routes import package_version, router
