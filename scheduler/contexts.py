@@ -278,7 +278,7 @@ class ContextStore:
         now = time.time()
         manifests = [
             m
-            for m in read_manifests(self.store, tenant=space.tenant)
+            for m in read_manifests(self.store, prefix=manifest_prefix(space.tenant))
             if m.fingerprint == self.fingerprint.hex and m.tenant == space.tenant and not m.expired(now)
         ]
         return sorted(manifests, key=lambda m: (m.created, m.id))
@@ -343,18 +343,15 @@ def update_index(
         store.put(key, index.to_bytes())
 
 
-ALL_TENANTS = object()  # read_manifests: every owner's
-
-
 def read_manifests(
-    store: ObjectStore, known: Mapping[str, Manifest] | None = None, tenant: str | None | object = ALL_TENANTS
+    store: ObjectStore, known: Mapping[str, Manifest] | None = None, prefix: str = MANIFEST_PREFIX
 ) -> list[Manifest]:
-    """Every readable manifest of ``tenant`` (by default of every tenant): all models, expired or not.
+    """Every readable manifest under ``prefix`` (by default every tenant's; one tenant's:
+    ``manifest_prefix(tenant)``): all models, expired or not.
 
     ``known``: manifests the caller read moments ago, by id; those still
     listed are taken from it instead of being read again."""
     found = []
-    prefix = MANIFEST_PREFIX if tenant is ALL_TENANTS else manifest_prefix(tenant)  # type: ignore[arg-type]
     for info in store.list(prefix):
         ctx_id = context_id_from_manifest_key(info.key)
         if ctx_id is None:
@@ -394,7 +391,7 @@ def remove_context(
     now = time.time()
     still_used = {
         key
-        for other in read_manifests(store, known, tenant=manifest.tenant)
+        for other in read_manifests(store, known, manifest_prefix(manifest.tenant))
         if other.id != manifest.id and not other.expired(now)
         for key in other.stored_keys
     }
