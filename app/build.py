@@ -80,7 +80,11 @@ def build_gateway(settings: Settings) -> Gateway:
         )
     with _stage("the weights' content digest (cached beside the weights after the first time)"):
         identity = model_identity(
-            loaded.model, loaded.tokenizer.get_vocab(), loaded.weights_dir, settings.cache_dir
+            loaded.model,
+            loaded.tokenizer.get_vocab(),
+            loaded.weights_dir,
+            settings.cache_dir,
+            precision=loaded.precision,
         )
     fingerprint = make_fingerprint(
         weights=identity.weights,
@@ -153,7 +157,7 @@ def build_gateway(settings: Settings) -> Gateway:
         "serving %s on %s (%s), KV store %s, fingerprint %s; threads: torch %d, codec %d",
         loaded.name,
         loaded.device,
-        loaded.dtype,
+        loaded.precision,
         store,
         fingerprint.hex[:16],
         threads.torch,

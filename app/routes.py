@@ -133,6 +133,7 @@ async def health(gateway: GatewayDep) -> dict:
         "model": gateway.model_name,
         "device": str(gateway.runner.device),
         "dtype": str(gateway.runner.loaded.dtype).removeprefix("torch."),
+        "weights_dtype": "bfloat16" if gateway.runner.loaded.bf16_weights else None,
         "in_flight": gateway.admission.admitted,
     }
 

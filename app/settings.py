@@ -57,8 +57,10 @@ class Settings(BaseSettings):
         None, ge=1, description="context window in tokens (prompt + output); default: the model's"
     )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="the model's dtype; 'auto': float32 on a CPU, the model's own on a GPU"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "bf16-weights"] = Field(
+        "auto",
+        description="the model's dtype; 'auto': on a CPU float32, with bf16 linear weights where the "
+        "CPU has native bf16 ('bf16-weights'), the model's own on a GPU",
     )
     cache_dir: Path = Field(default_factory=default_cache_dir, description="converted models live here")
     torch_threads: int | None = Field(

@@ -17,6 +17,8 @@ the files sit, and a model with other weights never shares a key.
   since an unknown field may change the KV: a stray difference costs a cache
   miss, a missing one would serve wrong KV.
 - **Vocabulary**: a digest of the tokenizer's token -> id map.
+- **Precision**: how the model computes, ``float32`` or ``float32+bf16-weights``
+  (``engine.bf16_weights``): the same files at another precision give other KV.
 """
 
 from __future__ import annotations
@@ -103,10 +105,17 @@ def weight_files_signature(directory: Path) -> list[list[object]] | None:
 
 
 def weights_digest(
-    model: torch.nn.Module, weights_dir: Path | None, cache_dir: Path | None = None
+    model: torch.nn.Module,
+    weights_dir: Path | None,
+    cache_dir: Path | None = None,
+    precision: str | None = None,
 ) -> str:
-    """The content digest of ``model``'s parameters, cached beside the files in ``weights_dir``."""
-    dtype = str(next(model.parameters()).dtype)
+    """The content digest of ``model``'s parameters, cached beside the files in ``weights_dir``.
+
+    ``precision`` (default: the first parameter's dtype) keys the cached digest: the same files
+    loaded at another precision hold other values, and so another digest.
+    """
+    dtype = precision or str(next(model.parameters()).dtype)
     signature = weight_files_signature(weights_dir) if weights_dir is not None else None
     record = None
     if signature is not None:
@@ -124,12 +133,19 @@ def weights_digest(
 
 
 def model_identity(
-    model: torch.nn.Module, vocab: dict[str, int], weights_dir: Path | None, cache_dir: Path | None = None
+    model: torch.nn.Module,
+    vocab: dict[str, int],
+    weights_dir: Path | None,
+    cache_dir: Path | None = None,
+    precision: str | None = None,
 ) -> ModelIdentity:
+    """``precision``: how the model computes (``LoadedModel.precision``); default its first
+    parameter's dtype."""
+    precision = precision or str(next(model.parameters()).dtype)
     return ModelIdentity(
-        weights=weights_digest(model, weights_dir, cache_dir),
+        weights=weights_digest(model, weights_dir, cache_dir, precision),
         config=kv_config(model.config.to_dict()),
-        dtype=str(next(model.parameters()).dtype),
+        dtype=precision,
         vocabulary=vocabulary_digest(vocab),
     )
 

@@ -19,6 +19,8 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from engine.bf16_weights import PRECISION_SUFFIX, native_bf16, use_bf16_weights
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
@@ -29,6 +31,7 @@ _CONVERTED_MARKER = "cachegen-converted.txt"
 # 2: tied weights saved under the embedding's name, as transformers saves them (other tools read it)
 _CONVERSION_VERSION = "2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BF16_WEIGHTS = "bf16-weights"
 
 
 class ModelLoadError(RuntimeError):
@@ -42,8 +45,14 @@ class LoadedModel:
     name: str  # the id clients use in the "model" field
     source: str  # where the weights came from, for logs
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the activations and the KV
     weights_dir: Path | None = None  # the local directory of the weight files, when there is one
+    bf16_weights: bool = False  # linear layers hold bf16 weights over ``dtype`` activations
+
+    @property
+    def precision(self) -> str:
+        """How the model computes, as keys and profiles name it: ``float32``, ``float32+bf16-weights``..."""
+        return str(self.dtype).removeprefix("torch.") + (PRECISION_SUFFIX if self.bf16_weights else "")
 
 
 def default_cache_dir() -> Path:
@@ -118,8 +127,10 @@ def load_model(
 ) -> LoadedModel:
     """Load ``reference`` (``smollm2``, a model directory, or a hub id).
 
-    ``dtype`` ``auto``: fp32 on the CPU (bf16 changes greedy output there, fp16 is slow); the
-    model's own dtype on a GPU. Or ``float32``, ``bfloat16``, ``float16``.
+    ``dtype`` ``auto``: on a CPU, float32 activations and KV, with bf16 weights in the linear
+    layers where the CPU has native bf16 (``engine.bf16_weights``; a whole-bf16 model is slower
+    there, fp16 slower still); the model's own dtype on a GPU. Or ``float32``, ``bfloat16``,
+    ``float16``, or ``bf16-weights`` (float32 with bf16 linear weights, on any device).
     """
     cache_dir = cache_dir or default_cache_dir()
     dev = pick_device(device)
@@ -129,26 +140,33 @@ def load_model(
     else:
         path = reference
         name = served_name or reference.rstrip("/").split("/")[-1]
+    bf16_weights = dtype == BF16_WEIGHTS or (dtype == "auto" and dev.type == "cpu" and native_bf16())
     if dtype == "auto":
         torch_dtype: torch.dtype | str = torch.float32 if dev.type == "cpu" else "auto"
     elif dtype in DTYPES:
         torch_dtype = DTYPES[dtype]
+    elif dtype == BF16_WEIGHTS:
+        torch_dtype = torch.float32
     else:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}, {BF16_WEIGHTS}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {reference!r}: {exc}") from exc
     model.to(dev).eval()
+    dtype_in_use = next(model.parameters()).dtype
+    if bf16_weights:
+        use_bf16_weights(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=name,
         source=path,
         device=dev,
-        dtype=next(model.parameters()).dtype,
+        dtype=dtype_in_use,
         weights_dir=_local_dir(path),
+        bf16_weights=bf16_weights,
     )
 
 

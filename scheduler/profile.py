@@ -115,7 +115,7 @@ def profile_key(fingerprint_hex: str, runner: ModelRunner, levels: list[Level], 
     parts = [
         fingerprint_hex,
         str(runner.device),
-        str(runner.loaded.dtype),
+        runner.loaded.precision,
         str(torch.get_num_threads()),
         str(chunk_size),
         *(f"{lv.name}.{level_digest(lv)}" for lv in levels),

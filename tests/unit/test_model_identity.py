@@ -78,6 +78,21 @@ def test_dtype_is_part_of_the_identity(tmp_path):
     assert fp32.dtype != bf16.dtype and fp32.weights != bf16.weights
 
 
+def test_bf16_weights_are_another_identity_and_never_reuse_the_float32_digest(tmp_path):
+    from engine.bf16_weights import use_bf16_weights
+
+    a = save(tiny_model(), tmp_path / "a")
+    fp32 = model_identity(load(a), {}, a, tmp_path / "c")  # caches the float32 digest beside the files
+    mixed = load(a)
+    use_bf16_weights(mixed)
+    first = model_identity(mixed, {}, a, tmp_path / "c", precision="float32+bf16-weights")
+    assert first.dtype == "float32+bf16-weights" != fp32.dtype
+    assert first.weights != fp32.weights  # hashed at its own precision, not read from the cache
+    (a / DIGEST_FILE).unlink()
+    fresh = model_identity(mixed, {}, a, tmp_path / "other", precision="float32+bf16-weights")
+    assert fresh == first  # a replica that starts fresh derives the same keys
+
+
 def test_config_drops_paths_and_bookkeeping_but_keeps_the_architecture(tmp_path):
     model = tiny_model()
     config = model.config.to_dict()

@@ -1,0 +1,123 @@
+"""The engine's forward path against stock transformers, on the real default model.
+
+A ragged step mixes a long prefill, a short one and several decodes; the
+decodes are attended in one batched call per layer (``engine.ragged``). Every
+sequence's logits must match a plain transformers SDPA forward of that
+sequence alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import ModelRunner, load_model
+from engine import ragged
+from engine.bf16_weights import Bf16WeightLinear, native_bf16, use_bf16_weights
+from engine.ragged import Segment
+
+pytestmark = pytest.mark.slow
+
+TEXT = "The history of the Python language begins in the late 1980s at CWI in the Netherlands. " * 30
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir) -> ModelRunner:
+    return ModelRunner(load_model(str(model_dir), dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def ids(runner) -> list[int]:
+    return list(runner.tokenizer(TEXT)["input_ids"])
+
+
+def stock_last_logits(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:
+    """One SDPA forward of the whole sequence, without the engine's attention."""
+    model = runner.model
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([token_ids]), use_cache=False, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(ragged.ATTENTION_NAME)
+    return out.logits[0, -1].float()
+
+
+def mixed_step(runner: ModelRunner, ids: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """A step of two prefills (301 and 7 tokens) and three decodes (after 20, 50 and 133 tokens);
+    returns each sequence's tokens and the step's last-token logits."""
+    decode_lengths = [50, 133, 20]
+    buffers = [runner.new_kv(n + 1) for n in decode_lengths]
+    for kv, n in zip(buffers, decode_lengths):
+        runner.forward_ragged([Segment(kv, 0, ids[:n], "none")])
+    decodes = [(kv, n, ids[n + 7]) for kv, n in zip(buffers, decode_lengths)]  # a token that is not ids[n]
+    segments = [
+        Segment(runner.new_kv(301), 0, ids[:301]),
+        *(Segment(kv, n, [token]) for kv, n, token in decodes),
+        Segment(runner.new_kv(7), 0, ids[40:47]),
+    ]
+    sequences = [ids[:301], *(ids[:n] + [token] for _, n, token in decodes), ids[40:47]]
+    return sequences, runner.forward_ragged(segments)
+
+
+def test_a_mixed_step_matches_stock_transformers(runner, ids):
+    sequences, logits = mixed_step(runner, ids)
+    for tokens, got in zip(sequences, logits):
+        want = stock_last_logits(runner, tokens)
+        assert got is not None
+        assert torch.allclose(got, want, atol=2e-3), f"{len(tokens)} tokens: {(got - want).abs().max()}"
+        assert int(got.argmax()) == int(want.argmax())
+
+
+def test_the_decodes_of_a_step_share_one_attention_call_per_layer(runner, ids, monkeypatch):
+    calls: list[int] = []
+    original = ragged._DecodeBatch.attend
+
+    def counting(self, layer, *args):
+        calls.append(len(self.segments))
+        return original(self, layer, *args)
+
+    monkeypatch.setattr(ragged._DecodeBatch, "attend", counting)
+    mixed_step(runner, ids)
+    assert calls == [3] * runner.num_layers  # three decodes, batched in every layer
+
+    calls.clear()
+    monkeypatch.setattr(ragged, "BATCH_MAX_KEYS", 60)  # the 134-key decode is attended alone
+    sequences, logits = mixed_step(runner, ids)
+    assert calls == [2] * runner.num_layers
+    for tokens, got in zip(sequences, logits):
+        assert torch.allclose(got, stock_last_logits(runner, tokens), atol=2e-3)
+
+
+def test_bf16_weights_replace_every_linear_and_keep_the_answers(model_dir, runner, ids):
+    loaded = load_model(str(model_dir), dtype="bf16-weights")
+    assert loaded.bf16_weights and loaded.dtype == torch.float32
+    assert loaded.precision == "float32+bf16-weights"
+    linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    replaced = [m for m in loaded.model.modules() if isinstance(m, Bf16WeightLinear)]
+    assert not linears and len(replaced) == 7 * runner.num_layers + 1  # and the output projection
+    assert all(m.weight.dtype == torch.bfloat16 for m in replaced)
+    assert loaded.model.model.embed_tokens.weight.dtype == torch.float32
+
+    mixed = ModelRunner(loaded)
+    kv = mixed.new_kv(len(ids))
+    got = mixed.forward_ragged([Segment(kv, 0, ids, "all")])[0]
+    assert kv.dtype == torch.float32
+    want = runner.forward_ragged([Segment(runner.new_kv(len(ids)), 0, ids, "all")])[0]
+    agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agreement > 0.95, agreement  # bf16 rounding of the weights flips only near-ties
+    assert not torch.allclose(got, want, atol=1e-4)  # and the weights really are bf16
+
+
+def test_auto_takes_bf16_weights_only_where_the_cpu_has_native_bf16(model_dir):
+    assert load_model(str(model_dir)).bf16_weights == native_bf16()
+    assert not load_model(str(model_dir), dtype="float32").bf16_weights
+
+
+def test_use_bf16_weights_counts_what_it_replaced():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2, bias=False))
+    x = torch.randn(3, 4)
+    want = model(x)
+    assert use_bf16_weights(model) == 2
+    got = model(x)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=5e-2)
