@@ -1,14 +1,21 @@
-"""One decode step over sequences of different lengths: ragged segments against a padded batch.
+"""One decode step over sequences of different lengths, per precision and attention path, in one process.
 
-The step loop's choice (``engine/ragged.py``): every sequence keeps its own KV
-buffer, the tokens of a step are laid end to end, and attention runs per
-sequence. The baseline is what transformers offers out of the box: one
-left-padded batch, a ``DynamicCache`` of (batch, heads, longest, dim) and a 2D
-attention mask, with SDPA attention. Both run the default model; lengths are
-drawn between ``--min-len`` and ``--max-len``. Prints median ms per step and
-tokens/s, writes JSON.
+For each precision (``--dtypes``: ``float32``, ``bf16-weights``, ``bfloat16``)
+the default model is loaded and, for each batch size, a decode step is timed:
 
-    python benchmarks/step_bench.py --batch 1,8,16
+- ``batched``: the step loop's path (``engine/ragged.py``): decodes attended
+  in one batched call per layer;
+- ``looped``: the same with the batching off (``BATCH_MAX_KEYS = 0``), one
+  attention call per sequence and layer, as before;
+- ``padded``: what transformers offers out of the box, one left-padded batch,
+  a ``DynamicCache`` and a 2D mask, SDPA attention (``--padded``; slow to
+  set up, so off by default).
+
+The variants alternate ``--rounds`` times and the median of each is kept, so a
+machine whose speed drifts affects them alike. A chunked prefill of
+``--prefill`` tokens (512 a step) is timed too. Prints a table, writes JSON.
+
+    python -m benchmarks.step_bench --batch 1,8,16 --dtypes float32,bf16-weights
 """
 
 from __future__ import annotations
@@ -17,117 +24,166 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def median_ms(fn, repeats: int) -> float:
+def seconds(fn, repeats: int) -> float:
     fn()
-    times = []
+    started = time.perf_counter()
     for _ in range(repeats):
-        t = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
+    return (time.perf_counter() - started) / repeats
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", default="1,8,16")
-    p.add_argument("--min-len", type=int, default=100)
-    p.add_argument("--max-len", type=int, default=600)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--torch-threads", type=int, help="default: the gateway's thread budget")
-    p.add_argument("--out", type=Path)
-    args = p.parse_args()
-
-    import torch
+def padded_step(runner, buffers, lengths):
+    """A step as transformers batches it: a left-padded ``DynamicCache`` rebuilt from the buffers;
+    returns (run the step, build the cache only) so the build can be subtracted."""
     from transformers import DynamicCache
 
-    from app.threads import configure_threads, thread_budget
-    from engine import ModelRunner, load_model
-    from engine.ragged import ATTENTION_NAME, Segment
+    model, batch, longest = runner.model, len(lengths), max(lengths)
 
-    configure_threads(thread_budget(args.torch_threads, None), model_thread=True)
-    runner = ModelRunner(load_model("smollm2"))
-    model = runner.model
-    ids = runner.tokenizer("A long history of programming languages. " * 200)["input_ids"]
+    def build() -> DynamicCache:
+        cache = DynamicCache(config=model.config)
+        for layer in range(runner.num_layers):
+            keys = torch.zeros(
+                batch, runner.num_kv_heads, longest, runner.head_dim, dtype=runner.loaded.dtype
+            )
+            values = torch.zeros_like(keys)
+            for b, (kv, n) in enumerate(zip(buffers, lengths)):
+                keys[b, :, longest - n :] = kv[layer, 0, :, :n]
+                values[b, :, longest - n :] = kv[layer, 1, :, :n]
+            cache.update(keys, values, layer)
+        return cache
+
+    mask = torch.zeros(batch, longest + 1, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, longest - n :] = 1
+
+    def step() -> None:
+        with torch.inference_mode():
+            model(
+                input_ids=torch.full((batch, 1), 5),
+                attention_mask=mask,
+                position_ids=torch.tensor([[n] for n in lengths]),
+                cache=build(),
+                use_cache=True,
+            )
+
+    return step, build
+
+
+def measure(runner, ids, batches, args) -> list[dict]:
+    from engine import ragged
+    from engine.ragged import Segment
+
     rng = random.Random(0)
     rows = []
-    for batch in [int(b) for b in args.batch.split(",")]:
+    for batch in batches:
         lengths = [rng.randint(args.min_len, args.max_len) for _ in range(batch)]
         buffers = [runner.new_kv(n + 1) for n in lengths]
         for kv, n in zip(buffers, lengths):
             runner.forward_ragged([Segment(kv, 0, ids[:n], "none")])
 
-        def ragged(buffers=buffers, lengths=lengths) -> None:
+        def ragged_step(buffers=buffers, lengths=lengths) -> None:
             runner.forward_ragged([Segment(kv, n, [5]) for kv, n in zip(buffers, lengths)])
 
-        longest = max(lengths)
+        def with_keys(limit: int):
+            def run() -> None:
+                saved, ragged.BATCH_MAX_KEYS = ragged.BATCH_MAX_KEYS, limit
+                try:
+                    ragged_step()
+                finally:
+                    ragged.BATCH_MAX_KEYS = saved
 
-        def padded(buffers=buffers, lengths=lengths, batch=batch, longest=longest) -> None:
-            # rebuilt each time: the cache grows by concatenation, as a fresh step's would
-            cache = DynamicCache(config=model.config)
-            for layer in range(runner.num_layers):
-                keys = torch.zeros(batch, runner.num_kv_heads, longest, runner.head_dim)
-                values = torch.zeros_like(keys)
-                for b, (kv, n) in enumerate(zip(buffers, lengths)):
-                    keys[b, :, longest - n :] = kv[layer, 0, :, :n]
-                    values[b, :, longest - n :] = kv[layer, 1, :, :n]
-                cache.update(keys, values, layer)
-            mask = torch.zeros(batch, longest + 1, dtype=torch.long)
-            for b, n in enumerate(lengths):
-                mask[b, longest - n :] = 1
-            with torch.inference_mode():
-                model(
-                    input_ids=torch.full((batch, 1), 5),
-                    attention_mask=mask,
-                    position_ids=torch.tensor([[n] for n in lengths]),
-                    cache=cache,
-                    use_cache=True,
+            return run
+
+        variants = {"batched": with_keys(ragged.BATCH_MAX_KEYS), "looped": with_keys(0)}
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.rounds):
+            for name, fn in variants.items():
+                times[name].append(seconds(fn, args.repeats))
+        row = {"batch": batch, "lengths": lengths}
+        row.update({f"{name}_ms": round(statistics.median(t) * 1000, 1) for name, t in times.items()})
+        if args.padded:
+            step, build = padded_step(runner, buffers, lengths)
+            runner.model.set_attn_implementation("sdpa")
+            try:
+                row["padded_ms"] = round(
+                    (seconds(step, args.repeats) - seconds(build, args.repeats)) * 1000, 1
                 )
-
-        def padded_build_only(buffers=buffers, lengths=lengths, batch=batch, longest=longest) -> None:
-            cache = DynamicCache(config=model.config)
-            for layer in range(runner.num_layers):
-                keys = torch.zeros(batch, runner.num_kv_heads, longest, runner.head_dim)
-                for b, (kv, n) in enumerate(zip(buffers, lengths)):
-                    keys[b, :, longest - n :] = kv[layer, 0, :, :n]
-                cache.update(keys, keys.clone(), layer)
-
-        ragged_ms = median_ms(ragged, args.repeats)
-        model.set_attn_implementation("sdpa")
-        try:
-            padded_ms = median_ms(padded, args.repeats) - median_ms(padded_build_only, args.repeats)
-        finally:
-            model.set_attn_implementation(ATTENTION_NAME)
-        row = {
-            "batch": batch,
-            "lengths": lengths,
-            "ragged_ms": round(ragged_ms, 1),
-            "padded_ms": round(padded_ms, 1),
-            "ragged_tok_s": round(batch / ragged_ms * 1000, 1),
-            "padded_tok_s": round(batch / padded_ms * 1000, 1),
-        }
+            finally:
+                runner.model.set_attn_implementation(ragged.ATTENTION_NAME)
         rows.append(row)
-        print(f"batch {batch:>3}: ragged {row['ragged_ms']:>7} ms   padded {row['padded_ms']:>7} ms")
+    return rows
+
+
+def prefill_seconds(runner, ids, tokens: int, rounds: int) -> float:
+    from engine.ragged import Segment
+
+    def run() -> None:
+        kv = runner.new_kv(tokens)
+        for start in range(0, tokens, 512):
+            runner.forward_ragged([Segment(kv, start, ids[start : min(tokens, start + 512)], "last")])
+
+    return statistics.median(seconds(run, 1) for _ in range(rounds))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", default="1,8,16")
+    p.add_argument("--dtypes", default="float32,bf16-weights")
+    p.add_argument("--min-len", type=int, default=40)
+    p.add_argument("--max-len", type=int, default=180)
+    p.add_argument("--prefill", type=int, default=1024, help="tokens of the timed chunked prefill (0: none)")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--padded", action="store_true", help="also time transformers' padded batch")
+    p.add_argument("--torch-threads", type=int, help="default: the gateway's thread budget")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+
+    from app.threads import configure_threads, thread_budget
+    from engine import ModelRunner, load_model
+
+    configure_threads(thread_budget(args.torch_threads, None), model_thread=True)
+    batches = [int(b) for b in args.batch.split(",")]
+    results = []
+    for dtype in args.dtypes.split(","):
+        runner = ModelRunner(load_model("smollm2", dtype=dtype))
+        ids = runner.tokenizer("A long history of programming languages. " * 400)["input_ids"]
+        result = {
+            "dtype": dtype,
+            "precision": runner.loaded.precision,
+            "rows": measure(runner, ids, batches, args),
+        }
+        if args.prefill:
+            result["prefill_s"] = round(prefill_seconds(runner, ids, args.prefill, args.rounds), 3)
+        results.append(result)
+        del runner
+
     out = args.out or RESULTS_DIR / f"step_{datetime.now():%Y%m%d_%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=2))
-    print("\n| batch | ragged ms | padded ms | ragged tok/s | padded tok/s | padded / ragged |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        ratio = r["padded_ms"] / r["ragged_ms"]
-        print(
-            f"| {r['batch']} | {r['ragged_ms']} | {r['padded_ms']} | {r['ragged_tok_s']} | "
-            f"{r['padded_tok_s']} | {ratio:.2f} |"
-        )
+    out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=2))
+    padded = " padded ms |" if args.padded else ""
+    print(f"\n| precision | batch | batched ms | looped ms | looped / batched | batched tok/s |{padded}")
+    print("|---|---:|---:|---:|---:|---:|" + ("---:|" if args.padded else ""))
+    for result in results:
+        for r in result["rows"]:
+            extra = f" {r['padded_ms']} |" if args.padded else ""
+            print(
+                f"| {result['precision']} | {r['batch']} | {r['batched_ms']} | {r['looped_ms']} | "
+                f"{r['looped_ms'] / r['batched_ms']:.2f} | {r['batch'] / r['batched_ms'] * 1000:.1f} |{extra}"
+            )
+    if args.prefill:
+        print(f"\n| precision | {args.prefill}-token prefill s |\n|---|---:|")
+        for result in results:
+            print(f"| {result['precision']} | {result['prefill_s']} |")
     print(f"wrote {out}")
 
 

@@ -21,10 +21,14 @@ Workloads (streamed chat completions, greedy, measured at the client):
   each with ``ignore_eos``, ``--duration`` seconds each (closed loop);
 * ``peak_rss_gb``: the server's peak RSS (VmHWM summed over its process tree).
 
-    python benchmarks/vs_vllm.py                      # fp32, 45 s a point
-    python benchmarks/vs_vllm.py --dtype bfloat16 --duration 20
+    python -m benchmarks.vs_vllm                      # fp32, 45 s a point
+    python -m benchmarks.vs_vllm --dtype bfloat16 --gateway-dtype bf16-weights --duration 30
 
-Writes ``benchmarks/results/vs_vllm_<dtype>.json`` and prints the ratios
+``--gateway-dtype`` (default: ``--dtype``) runs the gateway at another
+precision than vLLM: vLLM's bf16 against the gateway's default on a CPU with
+native bf16 (bf16 weights over float32 activations, ``docs/serving.md``).
+
+Writes ``benchmarks/results/vs_vllm_<dtype>[_<gateway dtype>].json`` and prints the ratios
 (gateway / vLLM: below 1 is better for times, above 1 for tokens/s).
 """
 
@@ -43,8 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.loading import DEFAULT_MODEL_NAME, convert_default_model, default_cache_dir
 from tests.gateway_process import GatewayProcess, ProcessExited, free_port, wait_healthy
@@ -229,6 +231,9 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--gateway-dtype", choices=["float32", "bfloat16", "bf16-weights"], help="default: --dtype"
+    )
     parser.add_argument("--duration", type=float, default=45.0, help="seconds per concurrency point")
     parser.add_argument("--concurrency", default="1,8,16")
     parser.add_argument("--vllm-venv", type=Path, default=default_cache_dir() / "vllm-venv")
@@ -240,7 +245,13 @@ def main() -> int:
     text = LICENCE.read_text()[:17000]
     model = convert_default_model(default_cache_dir())
     root = Path(tempfile.mkdtemp(prefix="vs_vllm-"))
-    results: dict[str, Any] = {"dtype": args.dtype, "duration_s": args.duration, "cores": os.cpu_count()}
+    gateway_dtype = args.gateway_dtype or args.dtype
+    results: dict[str, Any] = {
+        "dtype": args.dtype,
+        "gateway_dtype": gateway_dtype,
+        "duration_s": args.duration,
+        "cores": os.cpu_count(),
+    }
 
     if not args.skip_vllm:
         python = install_vllm(args.vllm_venv)
@@ -252,12 +263,12 @@ def main() -> int:
 
     print("gateway ...", flush=True)
     env = {"CACHEGEN_MODEL": str(model), "CACHEGEN_SERVED_MODEL_NAME": DEFAULT_MODEL_NAME,
-           "CACHEGEN_DTYPE": args.dtype, "CACHEGEN_STORE": f"file://{root / 'store'}"}  # fmt: skip
+           "CACHEGEN_DTYPE": gateway_dtype, "CACHEGEN_STORE": f"file://{root / 'store'}"}  # fmt: skip
     with GatewayProcess(env, root / "gateway.log") as g:
         assert g.proc is not None
         results["gateway"] = run_all(g.url, text, args.duration, concurrency)
         results["gateway"]["peak_rss_gb"] = peak_rss_gb(g.proc.pid)
-    results["gateway"]["stored_fresh_s"] = gateway_fresh_stored(model, args.dtype, text, root)
+    results["gateway"]["stored_fresh_s"] = gateway_fresh_stored(model, gateway_dtype, text, root)
     print(json.dumps(results["gateway"]), flush=True)
 
     if "vllm" in results:
@@ -273,7 +284,8 @@ def main() -> int:
             }
         )
         results["ratio_gateway_over_vllm"] = ratios
-    out = args.out or RESULTS / f"vs_vllm_{args.dtype}.json"
+    suffix = "" if gateway_dtype == args.dtype else f"_{gateway_dtype}"
+    out = args.out or RESULTS / f"vs_vllm_{args.dtype}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
 
