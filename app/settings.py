@@ -59,8 +59,8 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
     dtype: Literal["auto", "float32", "bfloat16", "float16", "bf16-weights"] = Field(
         "auto",
-        description="the model's dtype; 'auto': on a CPU float32, with bf16 linear weights where the "
-        "CPU has native bf16 ('bf16-weights'), the model's own on a GPU",
+        description="the model's dtype; 'auto': float32 on a CPU, the model's own on a GPU; "
+        "'bf16-weights': float32 with bf16 weights in the linear layers (docs/serving.md)",
     )
     cache_dir: Path = Field(default_factory=default_cache_dir, description="converted models live here")
     torch_threads: int | None = Field(

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     methods = {lv.name: level_method(lv) for lv in levels if not lv.lossless}
     if not args.no_baselines:
         methods.update(BASELINES)
-    runner = ModelRunner(load_model(args.model))
+    runner = ModelRunner(load_model(args.model, dtype=args.dtype))
     need = args.prefix_tokens + args.continuation_tokens
 
     per_text: dict[str, dict] = {}
@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> dict:
         summary[method] = entry
     return {
         "model": runner.loaded.name,
+        "precision": runner.loaded.precision,
         "prefix_tokens": args.prefix_tokens,
         "continuation_tokens": args.continuation_tokens,
         "passkey_trials": len(lengths),
@@ -213,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/codec_quality.json"))
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument(
+        "--dtype", default="auto", help="as CACHEGEN_DTYPE: auto, float32, bf16-weights, bfloat16"
+    )
     parser.add_argument("--levels-file", help="level table JSON to measure instead of the default")
     parser.add_argument("--texts", type=int, default=4)
     parser.add_argument("--extra-texts", type=Path, help="a directory of *.txt files to measure as well")

@@ -17,7 +17,9 @@ step of 8 sequences 78 -> 54 ms, of 16 sequences 124 -> 73 ms, a 1,024-token
 prefill 1.67 -> 0.81 s; one sequence is unchanged (40 -> 38 ms).
 
 This changes the KV a model computes, so the precision is part of every key
-(``LoadedModel.precision``, ``engine.identity``).
+(``LoadedModel.precision``, ``engine.identity``). It is opt-in
+(``CACHEGEN_DTYPE=bf16-weights``) because it is not batch-invariant: see
+docs/serving.md.
 """
 
 from __future__ import annotations

@@ -127,10 +127,10 @@ def load_model(
 ) -> LoadedModel:
     """Load ``reference`` (``smollm2``, a model directory, or a hub id).
 
-    ``dtype`` ``auto``: on a CPU, float32 activations and KV, with bf16 weights in the linear
-    layers where the CPU has native bf16 (``engine.bf16_weights``; a whole-bf16 model is slower
-    there, fp16 slower still); the model's own dtype on a GPU. Or ``float32``, ``bfloat16``,
-    ``float16``, or ``bf16-weights`` (float32 with bf16 linear weights, on any device).
+    ``dtype`` ``auto``: float32 on a CPU (a whole-bf16 model is slower there, fp16 slower
+    still), the model's own dtype on a GPU. Or ``float32``, ``bfloat16``, ``float16``, or
+    ``bf16-weights``: float32 activations and KV with bf16 weights in the linear layers
+    (``engine.bf16_weights``: faster where the CPU has native bf16, but no longer batch-invariant).
     """
     cache_dir = cache_dir or default_cache_dir()
     dev = pick_device(device)
@@ -140,7 +140,7 @@ def load_model(
     else:
         path = reference
         name = served_name or reference.rstrip("/").split("/")[-1]
-    bf16_weights = dtype == BF16_WEIGHTS or (dtype == "auto" and dev.type == "cpu" and native_bf16())
+    bf16_weights = dtype == BF16_WEIGHTS
     if dtype == "auto":
         torch_dtype: torch.dtype | str = torch.float32 if dev.type == "cpu" else "auto"
     elif dtype in DTYPES:
@@ -157,6 +157,10 @@ def load_model(
     model.to(dev).eval()
     dtype_in_use = next(model.parameters()).dtype
     if bf16_weights:
+        if dev.type == "cpu" and not native_bf16():
+            log.warning(
+                "bf16 weights on a CPU without native bf16 (AMX, AVX512-BF16): expect them to be slower"
+            )
         use_bf16_weights(model)
     return LoadedModel(
         model=model,
