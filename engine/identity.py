@@ -17,7 +17,7 @@ the files sit, and a model with other weights never shares a key.
   since an unknown field may change the KV: a stray difference costs a cache
   miss, a missing one would serve wrong KV.
 - **Vocabulary**: a digest of the tokenizer's token -> id map.
-- **Precision**: how the model computes, ``float32`` or ``float32+bf16-weights``
+- **Precision**: how the model computes, ``torch.float32`` or ``torch.float32+bf16-weights``
   (``engine.bf16_weights``): the same files at another precision give other KV.
 """
 

@@ -51,8 +51,9 @@ class LoadedModel:
 
     @property
     def precision(self) -> str:
-        """How the model computes, as keys and profiles name it: ``float32``, ``float32+bf16-weights``..."""
-        return str(self.dtype).removeprefix("torch.") + (PRECISION_SUFFIX if self.bf16_weights else "")
+        """How the model computes, as keys and profiles name it: ``torch.float32``,
+        ``torch.float32+bf16-weights``... (a plain model's is ``str(dtype)``, as keys always named it)."""
+        return str(self.dtype) + (PRECISION_SUFFIX if self.bf16_weights else "")
 
 
 def default_cache_dir() -> Path:

@@ -91,7 +91,7 @@ def test_the_decodes_of_a_step_share_one_attention_call_per_layer(runner, ids, m
 def test_bf16_weights_replace_every_linear_and_keep_the_answers(model_dir, runner, ids):
     loaded = load_model(str(model_dir), dtype="bf16-weights")
     assert loaded.bf16_weights and loaded.dtype == torch.float32
-    assert loaded.precision == "float32+bf16-weights"
+    assert loaded.precision == "torch.float32+bf16-weights"
     linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
     replaced = [m for m in loaded.model.modules() if isinstance(m, Bf16WeightLinear)]
     assert not linears and len(replaced) == 7 * runner.num_layers + 1  # and the output projection

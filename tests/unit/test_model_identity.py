@@ -85,11 +85,11 @@ def test_bf16_weights_are_another_identity_and_never_reuse_the_float32_digest(tm
     fp32 = model_identity(load(a), {}, a, tmp_path / "c")  # caches the float32 digest beside the files
     mixed = load(a)
     use_bf16_weights(mixed)
-    first = model_identity(mixed, {}, a, tmp_path / "c", precision="float32+bf16-weights")
-    assert first.dtype == "float32+bf16-weights" != fp32.dtype
+    first = model_identity(mixed, {}, a, tmp_path / "c", precision="torch.float32+bf16-weights")
+    assert first.dtype == "torch.float32+bf16-weights" != fp32.dtype
     assert first.weights != fp32.weights  # hashed at its own precision, not read from the cache
     (a / DIGEST_FILE).unlink()
-    fresh = model_identity(mixed, {}, a, tmp_path / "other", precision="float32+bf16-weights")
+    fresh = model_identity(mixed, {}, a, tmp_path / "other", precision="torch.float32+bf16-weights")
     assert fresh == first  # a replica that starts fresh derives the same keys
 
 
