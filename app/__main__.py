@@ -31,7 +31,7 @@ def serve(argv: list[str], prog: str) -> int:
         check_port(args.host, args.port)
         from app.factory import create_app
 
-        app = create_app(settings)  # configures logging, then loads the model
+        app = create_app(settings)  # configures logging; the model loads once the server runs
     except Exception as exc:  # known kinds become one line; anything else is a bug
         line = failure_line(exc)
         if line is None:
@@ -40,7 +40,7 @@ def serve(argv: list[str], prog: str) -> int:
 
     import uvicorn
 
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -48,6 +48,12 @@ def serve(argv: list[str], prog: str) -> int:
         # SIGTERM: stop accepting, let running requests finish this long, then cancel them
         timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
+    server = uvicorn.Server(config)
+    app.state.stop_server = lambda: setattr(server, "should_exit", True)  # a failed start-up stops it
+    server.run()
+    starter = app.state.startup
+    if starter is not None and starter.error is not None:  # logged already; the exit status says it
+        return 1
     return 0
 
 

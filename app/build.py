@@ -60,7 +60,7 @@ def _stage(what: str) -> Iterator[None]:
     log.info("start-up: %s done in %.1f s", what, time.perf_counter() - started)
 
 
-def build_gateway(settings: Settings) -> Gateway:
+def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway:
     threads = thread_budget(settings.torch_threads, settings.numba_threads)
     configure_threads(threads)
     with _stage(f"loading the model {settings.model or 'default'}"):
@@ -111,7 +111,7 @@ def build_gateway(settings: Settings) -> Gateway:
     )
     contexts = ContextStore(store, fingerprint, loaded.name, settings.chunk_size, io_pool, codec_gate)
     geometry = KVGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim)
-    metrics = Metrics()
+    metrics = metrics or Metrics()
     table = load_levels(settings)
     levels = table.levels
     with _stage("compiling the codec (numba's cache makes it quick after the first time)"):

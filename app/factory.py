@@ -27,6 +27,7 @@ from app.metrics import Metrics
 from app.readiness import Readiness
 from app.routes import package_version, router
 from app.settings import Settings
+from app.startup import BackgroundStart, stop_server
 from scheduler.lifecycle import CollectionTimer
 from scheduler.profile import save as save_profile
 
@@ -37,35 +38,45 @@ request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
 
 
 def create_app(settings: Settings | None = None, gateway: Gateway | None = None) -> FastAPI:
-    """Build the app; the model loads here, before the server accepts requests."""
+    """Build the app. Without ``gateway``, it is built in the background once the server runs
+    (``app/startup.py``): ``/health`` answers at once, the API when the model is loaded."""
     settings = settings or Settings()
     configure_logging(settings.log_level, settings.log_format)
     keys = ApiKeys(  # before the model loads
         settings.api_keys(), settings.shared_cache, settings.metrics_auth, settings.tenant_secret_bytes()
     )
-    gateway = gateway or build_gateway(settings)
-    interval = gateway.collect_interval_s
-    collection = None if interval is None else CollectionTimer(gateway.collect, interval)
+    metrics = gateway.metrics if gateway is not None else Metrics()
     # its own thread: a probe queued behind a burst of chunk fetches on the I/O pool would time out
     # and take a busy gateway out of its load balancer
     probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="readiness")
+    collections: list[CollectionTimer] = []
+
+    def attach(built: Gateway) -> None:
+        app.state.readiness = Readiness(built.store, probe_pool)
+        interval = built.collect_interval_s
+        if interval is not None:
+            collections.append(CollectionTimer(built.collect, interval))
+            collections[0].start()
+        app.state.gateway = built  # last: requests are served from here on
+
+    starter = None
+    if gateway is None:
+        starter = BackgroundStart(lambda: build_gateway(settings, metrics), attach, lambda: stop_server(app))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         adopt_server_loggers()
-        if collection is not None:
-            collection.start()
+        if starter is not None:
+            starter.start()
+        else:
+            attach(gateway)
         yield
-        if collection is not None:
+        for collection in collections:
             collection.stop()
-        gateway.admission.shutdown()
-        gateway.loop.stop()
-        if gateway.executor.write_back is not None:
-            gateway.executor.write_back.shutdown()
-        gateway.io_pool.shutdown(wait=False, cancel_futures=True)
         probe_pool.shutdown(wait=False, cancel_futures=True)
-        gateway.store.close()
-        save_profile(gateway.executor.loader.profile, gateway.profile_file)
+        built = app.state.gateway
+        if built is not None:
+            shut_down(built)
 
     docs = not settings.disable_docs
     app = FastAPI(
@@ -76,8 +87,10 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
         redoc_url="/redoc" if docs else None,
         openapi_url="/openapi.json" if docs else None,
     )
-    app.state.gateway = gateway
-    app.state.readiness = Readiness(gateway.store, probe_pool)
+    app.state.gateway = None
+    app.state.readiness = None
+    app.state.metrics = metrics
+    app.state.startup = starter
     install_error_handlers(app)
     app.include_router(router)
 
@@ -85,7 +98,7 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if keys.enabled:
         app.add_middleware(ApiKeyAuth, keys=keys)
-    app.add_middleware(ErrorCounter, metrics=gateway.metrics)
+    app.add_middleware(ErrorCounter, metrics=metrics)
     if settings.cors_origins:
         # outside ErrorCounter, so its 500s carry the CORS headers too and a browser can read them
         app.add_middleware(
@@ -97,6 +110,17 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
         )
     app.add_middleware(RequestId)  # outermost: the error lines and the 500s below carry the id
     return app
+
+
+def shut_down(gateway: Gateway) -> None:
+    """Stop the gateway's threads and pools, close the store, keep the cost profile."""
+    gateway.admission.shutdown()
+    gateway.loop.stop()
+    if gateway.executor.write_back is not None:
+        gateway.executor.write_back.shutdown()
+    gateway.io_pool.shutdown(wait=False, cancel_futures=True)
+    gateway.store.close()
+    save_profile(gateway.executor.loader.profile, gateway.profile_file)
 
 
 # Plain ASGI middlewares: Starlette's ``BaseHTTPMiddleware`` would hide a client's disconnect from

@@ -14,17 +14,21 @@ from app import serving_chat, serving_completions, serving_contexts, serving_tok
 from app.auth import ANONYMOUS, Tenant
 from app.gateway import CLIENT_CLOSED, Gateway
 from app.protocol import ChatCompletionRequest, CompletionRequest, ContextRequest, now
-from app.readiness import Readiness
+from app.readiness import Readiness, ReadinessReport
 from app.serving_tokens import DetokenizeRequest, TokenizeRequest
+from app.startup import ModelLoading
 
 PACKAGE = "cachegen-gateway"
 
 
 def _gateway(request: Request) -> Gateway:
-    return request.app.state.gateway
+    gateway = request.app.state.gateway
+    if gateway is None:  # still starting (app/startup.py)
+        raise ModelLoading()
+    return gateway
 
 
-def _readiness(request: Request) -> Readiness:
+def _readiness(request: Request) -> Readiness | None:
     return request.app.state.readiness
 
 
@@ -35,7 +39,7 @@ def _tenant(request: Request) -> Tenant:
 
 GatewayDep = Annotated[Gateway, Depends(_gateway)]
 TenantDep = Annotated[Tenant, Depends(_tenant)]
-ReadinessDep = Annotated[Readiness, Depends(_readiness)]
+ReadinessDep = Annotated[Readiness | None, Depends(_readiness)]
 
 router = APIRouter()
 
@@ -127,7 +131,11 @@ async def detokenize(body: DetokenizeRequest, gateway: GatewayDep) -> dict:
 
 
 @router.api_route("/health", methods=GET)
-async def health(gateway: GatewayDep) -> dict:
+async def health(request: Request) -> dict:
+    """200 while the process serves: ``"status": "loading"`` until the gateway is built, then ``ok``."""
+    gateway = request.app.state.gateway
+    if gateway is None:
+        return {"status": "loading"}
     return {
         "status": "ok",
         "model": gateway.model_name,
@@ -139,8 +147,12 @@ async def health(gateway: GatewayDep) -> dict:
 
 
 @router.api_route("/ready", methods=GET, response_model=None)
-async def ready(readiness: ReadinessDep) -> JSONResponse:
+async def ready(readiness: ReadinessDep, request: Request) -> JSONResponse:
     """200 when the gateway can serve; 503, naming the part that cannot, when it cannot."""
+    if readiness is None:  # still starting, or its start-up failed
+        starter = request.app.state.startup
+        model = f"failed: {starter.error}" if starter is not None and starter.error else "loading"
+        return JSONResponse(ReadinessReport(model=model, store="not opened yet").body(), status_code=503)
     report = await readiness.report()
     return JSONResponse(report.body(), status_code=200 if report.ready else 503)
 
@@ -151,8 +163,9 @@ async def version() -> dict:
 
 
 @router.api_route("/metrics", methods=GET)
-async def metrics(gateway: GatewayDep) -> Response:
-    return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(request: Request) -> Response:
+    registry = request.app.state.metrics.registry  # there from the start, before the gateway
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @functools.cache

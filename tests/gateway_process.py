@@ -27,16 +27,18 @@ class ProcessExited(RuntimeError):
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, poll_s: float = 0.3) -> bool:
-    """Poll ``url``/health until it answers 200 (True) or ``timeout`` passes (False); raises
-    ``ProcessExited`` when ``proc`` ends first."""
+    """Poll ``url``/health until it answers 200, and for the gateway ``"status": "ok"`` (it says
+    ``loading`` until its model is loaded; vLLM's answers an empty body): True, or False when
+    ``timeout`` passes; raises ``ProcessExited`` when ``proc`` ends first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise ProcessExited(proc.returncode)
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            r = httpx.get(f"{url}/health", timeout=2)
+            if r.status_code == 200 and (not r.content or r.json().get("status") == "ok"):
                 return True
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(poll_s)
     return False
