@@ -46,25 +46,31 @@ def test_health_answers_while_the_model_loads_and_the_api_waits_for_it(tmp_path,
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
-            try:
+            try:  # asked in this order: a later answer may already be past the load, never before it
                 health = httpx.get(f"{url}/health", timeout=5).json()["status"]
                 ready = httpx.get(f"{url}/ready", timeout=5).status_code
                 models = httpx.get(f"{url}/v1/models", timeout=5)
             except httpx.TransportError:  # not listening yet
                 time.sleep(0.05)
                 continue
-            code = models.json().get("error", {}).get("code") if models.status_code != 200 else None
+            code = None
+            if models.status_code != 200:
+                code = models.json()["error"]["code"]
+                assert models.headers.get("retry-after") == "5"
             seen.append((health, ready, models.status_code, code))
             if health == "ok":
                 break
-            assert models.headers.get("retry-after") == "5"
             time.sleep(0.05)
         log = (tmp_path / "gateway.log").read_text()
         assert seen and seen[-1] == ("ok", 200, 200, None), (seen[-3:], log[-3000:])
-        loading = [s for s in seen if s[0] == "loading"]
-        assert loading, "the server answered only once the model was loaded"
-        assert all(s == ("loading", 503, 503, "model_loading") for s in loading), loading
-        assert seen.index(loading[-1]) == len(loading) - 1  # loading, then ok: never back
+        assert ("loading", 503, 503, "model_loading") in seen, (
+            "the server answered only once the model was loaded"
+        )
+        for health, ready, models_status, _ in seen:
+            if ready == 200:  # once ready, the API serves
+                assert models_status == 200
+            if health == "ok":
+                assert ready == 200 and models_status == 200
         assert "start-up: the cost profile (measuring this machine)" in log
         chat = httpx.post(
             f"{url}/v1/chat/completions",
