@@ -23,10 +23,10 @@ with as many bits per value as the SLO allows.
 On a shared machine pass ``--torch-threads 1`` (recorded): with torch's default of one thread per
 core a descheduled thread stalls every operator, and a 15-token prefill then takes seconds.
 
-    python3 benchmarks/adaptive_bench.py                                  # the full run
-    python3 benchmarks/adaptive_bench.py --rates 200 --contexts 2048 --repeats 1 --trace-requests 4
-    python3 benchmarks/adaptive_bench.py --skip-trace --slo-ms 700        # part 1 only, with auto+slo
-    python3 benchmarks/adaptive_bench.py --trace-only --trace-slo-ms 900  # part 2 only
+    python -m benchmarks.adaptive_bench                                  # the full run
+    python -m benchmarks.adaptive_bench --rates 200 --contexts 2048 --repeats 1 --trace-requests 4
+    python -m benchmarks.adaptive_bench --skip-trace --slo-ms 700        # part 1 only, with auto+slo
+    python -m benchmarks.adaptive_bench --trace-only --trace-slo-ms 900  # part 2 only
 
 Writes JSON (``--out``): config, machine conditions (load average before and after each part,
 CPUs, torch threads), the pre-encoded contexts, every request's record (kv_cache_info included),
@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from benchmarks.adaptive_common import (
     FIXED_LEVELS,

@@ -15,7 +15,6 @@ from typing import Any, Self
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from benchmarks.gateway_bench import ttft
 from tests.gateway_process import GatewayProcess, free_port

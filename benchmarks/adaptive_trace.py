@@ -7,13 +7,11 @@ import json
 import math
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from benchmarks.adaptive_common import (
     FIXED_LEVELS,

@@ -25,9 +25,9 @@ the KV budget when ``CACHEGEN_KV_MEMORY_BYTES`` is set. Writes
 ``benchmarks/results/batching_<timestamp>.json`` and prints a table.
 
     # the full run (2 minutes a point; 45 s a point took 38 minutes on 2 CPU cores)
-    python benchmarks/batching_bench.py
+    python -m benchmarks.batching_bench
     # a quick look
-    python benchmarks/batching_bench.py --duration 20 --concurrency 1,8,16
+    python -m benchmarks.batching_bench --duration 20 --concurrency 1,8,16
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.load_report import RequestRecord, distribution, summarize
 from benchmarks.load_test import (

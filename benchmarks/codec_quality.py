@@ -1,6 +1,6 @@
 """Quality vs size of every codec level and of the baselines, on real texts, in one run.
 
-    python benchmarks/codec_quality.py --out benchmarks/results/codec_quality.json
+    python -m benchmarks.codec_quality --out benchmarks/results/codec_quality.json
 
 Per text (>= prefix + continuation tokens of real prose, none of them the
 calibration texts): the KV of the first ``--prefix-tokens`` tokens is encoded
@@ -25,8 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.calibrate import round_trip_chunks
 from codec import DEFAULT_LEVELS, Level, Scheme, encode_chunk, load_level_table

@@ -1,6 +1,6 @@
 """Encode/decode throughput of the codec on real KV, and coder efficiency.
 
-    python benchmarks/codec_speed.py --out benchmarks/results/codec_speed.json
+    python -m benchmarks.codec_speed --out benchmarks/results/codec_speed.json
 
 Throughput is in MB/s of fp16-equivalent KV (values x 2 bytes), single
 chunks of 256 tokens, median of ``--repeat`` runs, with zstd on the fp16
@@ -25,8 +25,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import zstandard
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from codec import DEFAULT_LEVELS, decode_chunk, encode_chunk, quantized, rans
 from codec.container import unpack

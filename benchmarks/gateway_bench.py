@@ -10,14 +10,14 @@ contexts of ~2K and ~4K tokens, then measures in the same run:
 
 Writes JSON (``--out``) and prints a table.
 
-    python benchmarks/gateway_bench.py --out benchmarks/results/gateway.json
+    python -m benchmarks.gateway_bench --out benchmarks/results/gateway.json
 
 ``--auth`` measures instead what API keys and salted chunk keys add: the same
 short prompt to two gateways, one open and one with keys (each request sends
 its key and a ``cache_salt``), interleaved; and, in this process, the cost of
 checking a key and deriving the salted chunk keys of a 4K-token prompt.
 
-    python benchmarks/gateway_bench.py --auth --out benchmarks/results/gateway_auth.json
+    python -m benchmarks.gateway_bench --auth --out benchmarks/results/gateway_auth.json
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.gateway_process import GatewayProcess  # noqa: E402
+from benchmarks.stats import percentile
+from tests.gateway_process import GatewayProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 _DOC_MODULES = [
@@ -91,11 +90,6 @@ def real_text(tokenizer, tokens: int) -> str:
         if len(ids) >= tokens:
             return tokenizer.decode(ids[:tokens])
     raise RuntimeError("not enough documentation text")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def ttft(url: str, messages: list[dict], extra: dict) -> tuple[float, dict]:

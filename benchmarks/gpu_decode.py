@@ -1,7 +1,7 @@
 """GPU decode: the Triton decoder's throughput, and that it matches the CPU decoder bit for bit.
 
-    python benchmarks/gpu_decode.py --out benchmarks/results/gpu_decode.json   # a CUDA machine
-    TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --smoke                  # CPU, tiny: it runs
+    python -m benchmarks.gpu_decode --out benchmarks/results/gpu_decode.json   # a CUDA machine
+    TRITON_INTERPRET=1 python -m benchmarks.gpu_decode --smoke                  # CPU, tiny: it runs
 
 Random KV (channels of different spreads) is encoded at each lossy level as
 256-token chunks of two shapes: a 7B-class model (32 layers, 8 KV heads x
@@ -31,8 +31,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {"7b": (32, 8, 128), "default": (30, 3, 64)}  # layers, kv heads, head_dim
 SMOKE_SHAPES = {"tiny": (2, 2, 16)}
@@ -197,7 +195,7 @@ def main() -> None:
         if not args.smoke:
             sys.exit(
                 "gpu_decode: no CUDA device. This benchmark needs a GPU; to check that it runs on a CPU: "
-                "TRITON_INTERPRET=1 python benchmarks/gpu_decode.py --smoke"
+                "TRITON_INTERPRET=1 python -m benchmarks.gpu_decode --smoke"
             )
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
     import triton

@@ -17,7 +17,7 @@ Measured here, in this process, on the default model and a real-text context:
 
 Writes JSON (``--out``) and prints a table.
 
-    python benchmarks/level_set.py --tokens 4096 --out benchmarks/results/level_set.json
+    python -m benchmarks.level_set --tokens 4096 --out benchmarks/results/level_set.json
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.gateway_bench import real_text  # noqa: E402
+from benchmarks.gateway_bench import real_text
 
 LINKS_GBPS = (0.2, 1.0, 10.0, 100.0)
 

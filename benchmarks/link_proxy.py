@@ -6,8 +6,8 @@ S3 client and the server (``endpoint_url=proxy.url``) and the loopback becomes a
 rate, or of a rate that follows a trace, without root (tc/netem need it) and without a change to
 the client.
 
-    python3 benchmarks/link_proxy.py --target 127.0.0.1:8333 --listen 127.0.0.1:9000 --rate 200mbit
-    python3 benchmarks/link_proxy.py --target 127.0.0.1:8333 --trace trace.json
+    python -m benchmarks.link_proxy --target 127.0.0.1:8333 --listen 127.0.0.1:9000 --rate 200mbit
+    python -m benchmarks.link_proxy --target 127.0.0.1:8333 --trace trace.json
 
 The rate is the link's, not a connection's: all connections share one token bucket per direction.
 boto3 opens up to 10 connections per client; a per-connection limit would multiply the rate by that.

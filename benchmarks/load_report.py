@@ -4,11 +4,12 @@ SLO attainment), the printed table and the PNG plot. Used by ``benchmarks/load_t
 from __future__ import annotations
 
 import argparse
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchmarks.stats import percentile
 
 PERCENTILES = (50, 90, 99)
 
@@ -37,15 +38,6 @@ class RequestRecord:
 
 
 # ---------------------------------------------------------------- summary
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    ordered = sorted(values)
-    pos = q / 100 * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def distribution(values: list[float]) -> dict[str, float | None]:

@@ -25,11 +25,11 @@ plus a different user question. ``--short-prompts`` sends short chat prompts
 with no context.
 
     # against a deployment
-    python3 benchmarks/load_test.py --url http://host:8000 --num-contexts 4 --context-tokens 4096 \\
+    python -m benchmarks.load_test --url http://host:8000 --num-contexts 4 --context-tokens 4096 \\
         --request-rate 2 --concurrency 8 --requests 200 --duration 300 --max-tokens 128 --ignore-eos \\
         --slo-ttft-ms 500 --api-key "$KEY"
     # without --url: starts its own gateway (default model, temporary local store)
-    python3 benchmarks/load_test.py --short-prompts --concurrency 2 --requests 16 --max-tokens 16
+    python -m benchmarks.load_test --short-prompts --concurrency 2 --requests 16 --max-tokens 16
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.load_report import RequestRecord, print_table, summarize, write_plot
 

@@ -7,7 +7,7 @@ token, client clock) per source and level in one run. Also times the
 scheduler's lookup for a 32-chunk prompt against S3, on a miss and on a hit:
 one GET of the prefix index, which lists every stored chunk with its sizes.
 
-    python benchmarks/serve_bench.py --out benchmarks/results/serve.json
+    python -m benchmarks.serve_bench --out benchmarks/results/serve.json
 """
 
 from __future__ import annotations
@@ -24,11 +24,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.gateway_bench import percentile, real_text, ttft  # noqa: E402
-from tests.gateway_process import GatewayProcess  # noqa: E402
-from tests.support.seaweed import SeaweedServer  # noqa: E402
+from benchmarks.gateway_bench import percentile, real_text, ttft
+from tests.gateway_process import GatewayProcess
+from tests.support.seaweed import SeaweedServer
 
 
 def bench_lookup(server: SeaweedServer, bucket: str, rounds: int) -> dict:

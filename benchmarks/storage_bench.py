@@ -1,7 +1,7 @@
 """Storage benchmark: S3Store vs plain boto3 on a real SeaweedFS, the LRU hit path, LocalStore,
 and the two chunk layouts for streaming.
 
-    PYTHONPATH=. python benchmarks/storage_bench.py [--quick] [--out FILE]
+    PYTHONPATH=. python -m benchmarks.storage_bench [--quick] [--out FILE]
 
 Starts its own SeaweedFS (tests/support/seaweed.py) on free loopback ports and
 stops it at the end. S3Store and boto3 run in the same process against the
@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,13 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from storage.local import LocalStore  # noqa: E402
-from storage.memory import MemoryStore  # noqa: E402
-from storage.s3 import S3Store  # noqa: E402
-from storage.tiered import LRUCacheStore  # noqa: E402
-from tests.support.seaweed import SeaweedServer  # noqa: E402
+from benchmarks.stats import percentile
+from storage.local import LocalStore
+from storage.memory import MemoryStore
+from storage.s3 import S3Store
+from storage.tiered import LRUCacheStore
+from tests.support.seaweed import SeaweedServer
 
 MB = 1_000_000
 # The default model (SmolLM2-135M): 30 layers x (K, V) x 3 KV heads x 64 dims = 11,520 values
@@ -44,12 +42,6 @@ SIZES = {
 }
 LEVEL_SIZES = [150_000, 300_000, 450_000, 750_000]  # four quality levels of one chunk, low to high
 CHUNKS = 32
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def summary(samples: list[float], nbytes: int) -> dict[str, float]:

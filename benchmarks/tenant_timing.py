@@ -13,14 +13,13 @@ compared with a two-sided Mann-Whitney U test (indistinguishable: a large
 p-value); the control against B's unstored arm shows that the same test does
 tell a hit from a miss. Writes JSON (``--out``) and prints a table.
 
-    python benchmarks/tenant_timing.py --trials 50 --out benchmarks/results/tenant_timing.json
+    python -m benchmarks.tenant_timing --trials 50 --out benchmarks/results/tenant_timing.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -29,37 +28,12 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks.stats import mann_whitney
 from tests.gateway_process import GatewayProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY_A, KEY_B = "timing-tenant-a", "timing-tenant-b"
 ARMS = ("b_on_a_stored", "b_on_unstored", "a_on_a_stored")
-
-
-def mann_whitney(x: list[float], y: list[float]) -> tuple[float, float]:
-    """U of ``x`` and the two-sided p-value (normal approximation, ties corrected)."""
-    pooled = sorted([(v, 0) for v in x] + [(v, 1) for v in y])
-    ranks = [0.0] * len(pooled)
-    i = 0
-    tie_term = 0.0
-    while i < len(pooled):
-        j = i
-        while j + 1 < len(pooled) and pooled[j + 1][0] == pooled[i][0]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[k] = (i + j) / 2 + 1
-        t = j - i + 1
-        tie_term += t**3 - t
-        i = j + 1
-    n1, n2 = len(x), len(y)
-    r1 = sum(r for r, (_, group) in zip(ranks, pooled, strict=True) if group == 0)
-    u = r1 - n1 * (n1 + 1) / 2
-    n = n1 + n2
-    sigma = math.sqrt(n1 * n2 / 12 * ((n + 1) - tie_term / (n * (n - 1))))
-    z = (u - n1 * n2 / 2) / sigma if sigma else 0.0
-    return u, math.erfc(abs(z) / math.sqrt(2))
 
 
 def ttft(client: httpx.Client, url: str, key: str, ids: list[int]) -> tuple[float, int]:

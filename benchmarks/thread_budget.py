@@ -12,7 +12,7 @@ Each is measured on an idle machine, then with ``--busy`` processes spinning
 (default: one per core) to stand in for a shared one. Writes JSON and prints a
 table of medians in ms.
 
-    python benchmarks/thread_budget.py            # about 2 minutes on 2 cores
+    python -m benchmarks.thread_budget            # about 2 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ import json
 import multiprocessing
 import os
 import statistics
-import sys
 import threading
 import time
 from datetime import datetime
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -24,14 +24,13 @@ from tests.gateway_process import REPO
 
 pytestmark = pytest.mark.slow
 
-TOOL = REPO / "benchmarks" / "load_test.py"
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def run_tool(url: str, out: Path, *args: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
     proc = subprocess.run(
-        [sys.executable, str(TOOL), "--url", url, "--out", str(out), *args],
+        [sys.executable, "-m", "benchmarks.load_test", "--url", url, "--out", str(out), *args],
         cwd=REPO,
         env=env,
         check=False,

@@ -121,7 +121,7 @@ def test_bodies_over_the_limit_get_413_declared_or_streamed():
 
 
 def test_the_rank_test_of_the_timing_benchmark():
-    from benchmarks.tenant_timing import mann_whitney
+    from benchmarks.stats import mann_whitney
 
     same = [float(v) for v in range(50)]
     assert mann_whitney(same, list(same))[1] > 0.99
