@@ -279,6 +279,14 @@ class SeaweedServer:
                 proc.wait()
         self._remove_sockets()
 
+    def kill(self) -> None:
+        """Kill the process at once (SIGKILL), as a crash would; ``start`` brings it back on its data."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self._remove_sockets()
+
     def _remove_sockets(self) -> None:
         # Only this server's sockets: other runs' servers may be alive beside us.
         for name in _COMPONENTS:
