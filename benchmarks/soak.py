@@ -18,8 +18,10 @@ stalled for 5 s.
 Checks at the end: no wrong answer; no 5xx but the documented
 ``kv_store_unavailable`` 503s; no request past its timeout (a hung stream);
 RSS flat after warm-up; the store within its cap; every live context whole
-and fully reused again (write-back repairs what the faults broke); every
-deleted or expired context gone, manifest and chunks.
+and fully reused again (write-back repairs the full chunks the faults broke;
+a tail that was hit needs the re-POST that follows, which encodes only what
+is missing; the report shows both); every deleted or expired context gone,
+manifest and chunks.
 
     python -m benchmarks.soak --duration 1800 --out benchmarks/results/soak.json --plot benchmarks/results/soak.png
 
@@ -367,13 +369,15 @@ class Soak:
                         "temperature": 0, "kv_quality": "lossless"}  # fmt: skip
                 client.post("/v1/chat/completions", json=body)  # what a fault broke, write-back repairs
                 time.sleep(3)
-                r = client.post("/v1/chat/completions", json=body)
-                cached = (
-                    r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] if r.status_code == 200 else 0
-                )
+                after_write_back = self._cached(client, body)
+                # a tail that a fault hit is not a full chunk of any prompt: write-back cannot store
+                # it; a re-POST of the context encodes what is missing, and only that
+                repost = client.post("/contexts", json={"messages": [{"role": "system", "content": text}]})
                 reused[context_id] = {
-                    "cached_tokens": cached,
                     "stored_at_start": self.live_cached[context_id],
+                    "after_write_back": after_write_back,
+                    "re_post_encoded": repost.json().get("encoded") if repost.status_code == 200 else None,
+                    "cached_tokens": self._cached(client, body),
                 }
             checks["live_contexts_reused"] = reused
             gone = self.tally.deleted + self.tally.expiring
@@ -391,6 +395,10 @@ class Soak:
             total += sum(o["Size"] for o in page.get("Contents", []))
         checks["store_bytes"] = total
         return checks
+
+    def _cached(self, client: httpx.Client, body: dict) -> int:
+        r = client.post("/v1/chat/completions", json=body)
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] if r.status_code == 200 else 0
 
     def _report(self, elapsed: float, checks: dict[str, Any]) -> dict[str, Any]:
         t = self.tally

@@ -293,9 +293,13 @@ class ContextStore:
 
     def forget_chunks(self, first_key: str, chunk_keys: set[str]) -> None:
         """Readers found these chunks missing or corrupt: the index stops listing them, so no reader
-        plans with them again and a ``POST /contexts`` of the context encodes them anew. Best effort."""
+        plans with them again and a ``POST /contexts`` of the context encodes them anew. Best effort.
+
+        A tail after a bad chunk stays listed: its own bytes are intact, no reader reaches it while
+        its parent is missing, and it is whole again as soon as write-back (or a re-POST) stores
+        the parent anew. Dropping it lost a stored context's tail to the collector for good."""
         try:
-            self._update_index(first_key, lambda index: index.without(chunk_keys))
+            self._update_index(first_key, lambda index: index.without(chunk_keys, orphaned_tails=False))
         except StorageError as exc:
             log.warning("could not drop bad chunks from prefix index %s: %s", first_key[:16], exc)
 

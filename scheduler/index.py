@@ -145,10 +145,13 @@ class PrefixIndex(BaseModel):
             }
         )
 
-    def without(self, keys: set[str]) -> PrefixIndex:
-        """This index less the chunks and tails in ``keys``, and tails whose parent is gone."""
+    def without(self, keys: set[str], *, orphaned_tails: bool = True) -> PrefixIndex:
+        """This index less the chunks and tails in ``keys``, and (``orphaned_tails``) the tails
+        whose parent is in ``keys``."""
         chunks = {k: v for k, v in self.chunks.items() if k not in keys}
-        tails = {k: v for k, v in self.tails.items() if k not in keys and v.parent not in keys}
+        tails = {
+            k: v for k, v in self.tails.items() if k not in keys and not (orphaned_tails and v.parent in keys)
+        }
         return self.model_copy(update={"chunks": chunks, "tails": tails})
 
     @property

@@ -144,6 +144,24 @@ def test_missing_middle_chunk_ends_the_prefix(parts):
     assert result.tokens == 2 * CHUNK and result.faults == ["object_missing"]
 
 
+def test_a_tail_outlives_a_bad_parent_and_is_whole_once_the_parent_is_stored_again(parts):
+    """What write-back does after a read fault: the bad chunk leaves the index, its tail stays, and
+    when the chunk is stored anew the whole context, tail included, is reused again."""
+    store, contexts, loader = parts
+    tokens = list(range(30))  # 3 full chunks + a 6-token tail, whose parent is chunk 2
+    kv = kv_for(30)
+    contexts.save(tokens, kv, [LOSSLESS], 0.0)
+    keys = contexts.keys(tokens)
+    store.delete(chunk_object_key(keys[2], "lossless", LOSSLESS_DIGEST))
+    result = load(contexts, loader, tokens)
+    assert result.tokens == 2 * CHUNK and result.bad_chunks == [keys[2]]
+    contexts.forget_chunks(keys[0], set(result.bad_chunks))
+    assert load(contexts, loader, tokens).tokens == 2 * CHUNK  # the tail waits for its parent
+    contexts.save_chunks(keys[:3], kv[:, :, :, : 3 * CHUNK], [LOSSLESS], first=2)  # as write-back does
+    again = load(contexts, loader, tokens)
+    assert again.tokens == 30 and torch.equal(again.kv, kv)
+
+
 @pytest.mark.parametrize("blob", [b"garbage", b"{}", b'{"version": 1}', b"\x00" * 10])
 def test_corrupt_index_is_a_miss_with_a_fault(parts, blob):
     store, contexts, loader = parts
