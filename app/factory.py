@@ -55,8 +55,9 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
         app.state.readiness = Readiness(built.store, probe_pool)
         interval = built.collect_interval_s
         if interval is not None:
-            collections.append(CollectionTimer(built.collect, interval))
-            collections[0].start()
+            collection = CollectionTimer(built.collect, interval)
+            collections.append(collection)
+            collection.start()
         app.state.gateway = built  # last: requests are served from here on
 
     starter = None
