@@ -22,8 +22,6 @@ from app.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
-LOADING, READY, FAILED = "loading", "ready", "failed"
-
 
 class ModelLoading(APIError):
     status = 503
@@ -56,7 +54,6 @@ class BackgroundStart:
         self._build = build
         self._on_ready = on_ready
         self._stop = stop
-        self.state = LOADING
         self.error: str | None = None  # one line, when the build failed
         self._thread = threading.Thread(target=self._run, name="startup", daemon=True)
 
@@ -76,8 +73,6 @@ class BackgroundStart:
             else:
                 log.error("start-up failed: %s", line)
             self.error = line
-            self.state = FAILED
             self._stop()
             return
         self._on_ready(gateway)
-        self.state = READY
