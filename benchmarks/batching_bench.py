@@ -12,7 +12,7 @@ Per configuration, two workloads (short chat prompts; questions on stored
 then the pre-encode interference probe: ``--probe-clients`` streams generate
 long answers while the inter-token latency p99 is measured idle, then while a
 fresh ~4K-token context is pre-encoded. Requests go through
-``benchmarks/load_test.py``'s functions (closed loop: C clients).
+``benchmarks/stream_client.py`` (closed loop: C clients).
 
 Output tokens/s is counted over the measuring window only (content chunks
 streamed before the deadline), so the drain after it does not dilute it.
@@ -48,22 +48,26 @@ from typing import Any
 
 import httpx
 
-from benchmarks.load_report import RequestRecord, distribution, summarize
-from benchmarks.load_test import (
-    RESULTS_DIR,
+from benchmarks.stream_client import (
+    Load,
+    RequestRecord,
+    distribution,
+    request_body,
+    run_load,
+    send_request,
+    summarize,
+    target,
+)
+from benchmarks.workload import (
     RequestSpec,
     build_contexts,
     build_requests,
     load_tokenizer,
-    parse_args,
     pre_encode,
-    request_body,
-    run_load,
-    send_request,
     served_model,
-    target,
 )
 
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CONFIGS = {"on": [], "off": ["CACHEGEN_MAX_NUM_SEQS=1"]}
 WORKLOADS = ("short", "context")
 BASE_ENV = ["CACHEGEN_MAX_QUEUE=64"]
@@ -80,14 +84,11 @@ TARGETS = (
 # ---------------------------------------------------------------- one point
 
 
-def point_args(opts: argparse.Namespace, concurrency: int, max_tokens: int) -> argparse.Namespace:
-    """load_test's own settings for one point (its defaults for whatever this tool does not set)."""
+def point_args(opts: argparse.Namespace, concurrency: int, max_tokens: int) -> Load:
+    """The client's settings for one point."""
     # enough specs that C clients never run out before the deadline (a request takes >= ~0.2 s)
     requests = concurrency * int(opts.duration * 5 + 4)
-    argv = ["--concurrency", str(concurrency), "--requests", str(requests), "--duration", str(opts.duration),
-            "--max-tokens", str(max_tokens), "--timeout", str(opts.timeout), "--seed", str(opts.seed),
-            "--temperature", "0"]  # fmt: skip
-    return parse_args(argv + (["--ignore-eos"] if opts.ignore_eos else []))
+    return Load(concurrency, requests, opts.duration, max_tokens, opts.timeout, opts.ignore_eos)
 
 
 def chunk_times(record: RequestRecord) -> list[float]:
@@ -111,10 +112,10 @@ def window_throughput(records: list[RequestRecord], duration: float) -> float:
 
 
 async def measure_point(
-    client: httpx.AsyncClient, specs: list[RequestSpec], model: str, args: argparse.Namespace
+    client: httpx.AsyncClient, specs: list[RequestSpec], model: str, args: Load
 ) -> dict[str, Any]:
-    records, duration, peak = await run_load(client, specs[: args.requests], model, args)
-    summary = summarize(records, args.requests, duration, peak, args)
+    records, duration, peak = await run_load(client, specs, model, args)
+    summary = summarize(records, args.requests, duration, peak)
     summary["window_output_token_throughput"] = window_throughput(records, args.duration)
     if summary["requests_issued"] >= args.requests:
         print(f"note: all {args.requests} requests issued before the deadline; raise point_args' factor")
@@ -185,7 +186,7 @@ async def stream_chunk_times(
 ) -> str | None:
     """Stream one answer, appending each content chunk's arrival to ``times`` as it comes.
 
-    load_test's ``send_request`` hands its chunk times over only at the end; the
+    stream_client's ``send_request`` hands its chunk times over only at the end; the
     probe cuts its answers off, and wants what they streamed until then.
     """
     try:

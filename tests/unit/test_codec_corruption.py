@@ -8,7 +8,6 @@ see the corrupt fields themselves.
 from __future__ import annotations
 
 import struct
-import zlib
 
 import numpy as np
 import pytest
