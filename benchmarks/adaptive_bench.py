@@ -54,13 +54,14 @@ from benchmarks.adaptive_common import (
     LLAMA_CPP_WARM_4K_S,
     Bench,
     Context,
-    Link,
     Method,
+    default_link,
     describe,
     fixed_rate_methods,
     fmt_cell,
     link_check,
     loadavg,
+    make_link,
     measure_fresh,
     median_record,
     ok,
@@ -72,6 +73,7 @@ from benchmarks.adaptive_common import (
 )
 from benchmarks.adaptive_trace import print_trace, run_trace
 from benchmarks.gateway_bench import real_text
+from benchmarks.tc_link import enter_private_network
 from tests.support.seaweed import SeaweedServer
 
 
@@ -86,7 +88,7 @@ def run_fixed(
     """Fill ``part`` with link checks, records (saved after each), summaries and target checks."""
     records, link_checks = part.setdefault("records", []), part.setdefault("link_check_mbps", {})
     for rate in args.rates:
-        with Link(bench.server.endpoint_url, rate_mbps=rate, burst_ms=args.burst_ms) as link:
+        with make_link(args.link, bench.server.endpoint_url, rate_mbps=rate, burst_ms=args.burst_ms) as link:
             link_checks[f"{rate:g}"] = link_check(bench.server, bench.bucket, link.url)
             print(
                 f"\n{link.description}: one 4 MiB GET ran at {link_checks[f'{rate:g}']:.0f} Mbit/s",
@@ -251,6 +253,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="fresh-process requests per method (part 1)")
     p.add_argument("--methods", type=comma_list(str), help="part 1 methods to run (default: all)")
     p.add_argument("--slo-ms", type=float, help="also run auto+slo in part 1 with this kv_slo_ms")
+    p.add_argument("--link", choices=("tc", "proxy"), default=default_link(),
+                   help="the emulated link: tc (default where it runs) or the link proxy")  # fmt: skip
     p.add_argument("--burst-ms", type=float, default=5.0, help="link proxy bucket size")
     part = p.add_mutually_exclusive_group()
     part.add_argument("--trace-only", action="store_true", help="part 2 only")
@@ -279,6 +283,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    if args.link == "tc":
+        enter_private_network()  # re-executes this program in a namespace of its own, once
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop gateways, proxies, SeaweedFS
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.log_dir.mkdir(parents=True, exist_ok=True)

@@ -6,17 +6,22 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
+from urllib.parse import urlparse
 
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 
 from benchmarks.gateway_bench import ttft
+from benchmarks.link_proxy import Trace
+from benchmarks.tc_link import TcLink
+from benchmarks.tc_link import available as tc_available
 from tests.gateway_process import GatewayProcess, free_port
 from tests.support.seaweed import SeaweedServer
 
@@ -154,6 +159,77 @@ class Link:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class KernelLink:
+    """benchmarks/tc_link.py behind Link's interface: the S3 port itself is shaped (``url`` is the
+    server's), so no process of ours copies the bytes; a trace is played by a thread that changes
+    the rate on schedule. Only in a private network namespace (``tc_link.enter_private_network``).
+    """
+
+    def __init__(
+        self, target: str, *, rate_mbps: float | None = None, trace_file: Path | None = None
+    ) -> None:
+        self.target = target
+        self.trace = Trace.load(trace_file) if trace_file is not None else None
+        self.rate_bps = self.trace.rates_bps[0] if self.trace is not None else float(rate_mbps or 0) * 1e6
+        self.link: TcLink | None = None
+        self.started = 0.0
+        self.description = ""
+        self.stop_line = ""
+        self._stop = threading.Event()
+        self._player: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return self.target
+
+    def start(self) -> KernelLink:
+        self.link = TcLink(urlparse(self.target).port, self.rate_bps)
+        self.started = time.perf_counter()
+        self.description = self.link.describe()
+        if self.trace is not None:
+            self.description += f" (a trace every {self.trace.interval_ms:g} ms)"
+            self._player = threading.Thread(target=self._play, name="tc-trace", daemon=True)
+            self._player.start()
+        return self
+
+    def _play(self) -> None:
+        assert self.trace is not None and self.link is not None
+        step = self.trace.interval_ms / 1e3
+        i = 1
+        while not self._stop.wait(max(0.0, self.started + i * step - time.perf_counter())):
+            self.link.set_rate(self.trace.rates_bps[i % len(self.trace.rates_bps)])
+            i += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._player is not None:
+            self._player.join()
+        if self.link is not None:
+            self.stop_line = f"{self.link.bytes_down} bytes down, {self.link.bytes_up} up"
+            self.link.close()
+            self.link = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def make_link(kind: str, target: str, **shape: Any) -> Link | KernelLink:
+    """The benchmarks' link: 'tc' (the default where it runs: it holds the rate best, docs/adaptive.md)
+    or 'proxy' (benchmarks/link_proxy.py as a process of its own)."""
+    if kind == "tc":
+        shape.pop("burst_ms", None)
+        shape.pop("port", None)
+        return KernelLink(target, **shape)
+    return Link(target, **shape)
+
+
+def default_link() -> str:
+    return "tc" if tc_available() is None else "proxy"
 
 
 def link_check(server: SeaweedServer, bucket: str, endpoint: str, size: int = 4 * 2**20) -> float:

@@ -18,12 +18,12 @@ from benchmarks.adaptive_common import (
     VALUES_PER_TOKEN,
     Bench,
     Context,
-    Link,
     Method,
     ask,
     describe,
     failed,
     fmt_cell,
+    make_link,
     ok,
     print_checks,
     question,
@@ -66,11 +66,10 @@ def trace_series(
     slot delays the next one (``late_s``), which then meets other rates than the other methods did.
     """
     trace = Trace.load(trace_file)
-    port = free_port()
-    with (
-        bench.gateway(f"http://127.0.0.1:{port}", method, f"trace-{method.name}") as gw,
-        Link(bench.server.endpoint_url, trace_file=trace_file, port=port, burst_ms=args.burst_ms) as link,
-    ):
+    link = make_link(
+        args.link, bench.server.endpoint_url, trace_file=trace_file, port=free_port(), burst_ms=args.burst_ms
+    )
+    with bench.gateway(link.url, method, f"trace-{method.name}") as gw, link:
         for i in range(args.trace_requests):
             due = link.started + i * args.trace_period_s
             time.sleep(max(0.0, due - time.perf_counter()))

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -43,8 +43,8 @@ OBJECTS = 16
 WORKERS = 8
 BUCKET = "fidelity"
 # the proxy as a thread of the client's process (tests, the soak), as a process of its own with a
-# 5 ms bucket (the adaptive benchmarks), and tc
-LINKS = ("proxy", "proxy-process", "tc")
+# 5 ms bucket (the adaptive benchmarks), tc, and none (the client's own ceiling on these cores)
+LINKS = ("proxy", "proxy-process", "tc", "none")
 
 
 @contextmanager
@@ -99,9 +99,11 @@ def measure(server: SeaweedServer, link: str, rate: float, busy: bool, seconds: 
     elif link == "proxy-process":
         shaper = Link(server.endpoint_url, rate_mbps=rate / 1e6, burst_ms=5.0)  # starts on entry
         url = shaper.url
-    else:
+    elif link == "tc":
         shaper = TcLink(port, rate)
         url = server.endpoint_url
+    else:  # no link: what the client and server move on their own, the ceiling of the others
+        shaper, url = nullcontext(), server.endpoint_url
     with shaper:
         client = boto3.client(
             "s3", endpoint_url=url, region_name=server.region, aws_access_key_id=server.access_key,
@@ -143,11 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                     points.append(point)
                     delivered = format_rate(point["delivered_bps"])
                     print(f"{format_rate(rate):>12} {load:<5} {link:<6} {delivered:>14} {point['ratio']:.3f}")
-    print(
-        "\n| rate | load | "
-        + " | ".join(f"{k} delivered / set" for k in LINKS)
-        + " |\n|---|---|---:|---:|---:|"
-    )
+    print("\n| rate | load | " + " | ".join(f"{k} delivered / set" for k in LINKS) + " |")
+    print("|---|---|" + "---:|" * len(LINKS))
     for rate in rates:
         for load in args.loads.split(","):
             ratio = {p["link"]: p["ratio"] for p in points if p["rate_bps"] == rate and p["load"] == load}
