@@ -109,7 +109,10 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
         max_batched_tokens(settings, runner),
         torch_threads=lambda: threads.torch if codec_gate.active else threads.torch_alone,
     )
-    contexts = ContextStore(store, fingerprint, loaded.name, settings.chunk_size, io_pool, codec_gate)
+    codec_gate.interactive = loop.interactive_work  # encodes yield to generations (scheduler/codec_gate.py)
+    contexts = ContextStore(
+        store, fingerprint, loaded.name, settings.chunk_size, io_pool, codec_gate.background()
+    )
     geometry = KVGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim)
     metrics = metrics or Metrics()
     table = load_levels(settings)

@@ -1,22 +1,35 @@
-"""One codec operation at a time, and whether one is running now.
+"""One codec operation at a time, whether one is running now, and background work that yields.
 
 Decodes of concurrent prefix loads and encodes of pre-encodes and
 write-backs all take the gate, so the codec's CPU work runs on the thread
 budget's numba threads, never on as many threads as there are requests.
 The step loop reads ``active`` before each step: while the codec works,
 torch gets only the cores the codec leaves (see ``app/threads.py``).
+
+Encodes (pre-encodes, write-backs) go through ``background``: before each
+encode they wait while ``interactive()`` says interactive requests are on the
+model, for at most ``BACKGROUND_MAX_WAIT_S`` (so they are never starved
+outright). A chat beside a burst of pre-encodes then keeps both cores of a
+2-core machine instead of one (``benchmarks/encode_fairness.py``); only an
+encode already running when the chat arrives still shares them.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import Self
+
+BACKGROUND_MAX_WAIT_S = 1.0
+_POLL_S = 0.01
 
 
 class CodecGate:
-    def __init__(self) -> None:
+    def __init__(self, interactive: Callable[[], bool] = lambda: False) -> None:
         self._lock = threading.Lock()
         self._active = False
+        self.interactive = interactive  # the step loop's: wired once both exist (app/build.py)
 
     @property
     def active(self) -> bool:
@@ -30,3 +43,22 @@ class CodecGate:
     def __exit__(self, *exc: object) -> None:
         self._active = False
         self._lock.release()
+
+    def background(self) -> BackgroundGate:
+        """The gate as background work takes it (a reusable context manager)."""
+        return BackgroundGate(self)
+
+
+class BackgroundGate:
+    def __init__(self, gate: CodecGate, max_wait_s: float = BACKGROUND_MAX_WAIT_S) -> None:
+        self.gate = gate
+        self.max_wait_s = max_wait_s
+
+    def __enter__(self) -> CodecGate:
+        deadline = time.monotonic() + self.max_wait_s
+        while self.gate.interactive() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        return self.gate.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.gate.__exit__(*exc)

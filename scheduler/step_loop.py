@@ -12,8 +12,10 @@ text chunks, oldest first), then background work (pre-encodes). With nothing
 decoding, interactive prefill may take up to ``IDLE_PREFILL_TOKENS`` per step:
 there is no stream to stall, and each step's fixed cost (a pass over the
 weights) is then spread over more tokens. Background work waits for
-interactive work: alone it takes at most ``BACKGROUND_STEP_TOKENS`` a step, so
-a request that arrives during a pre-encode waits at most one such step; beside
+interactive work: alone it takes at most ``BACKGROUND_STEP_TOKENS`` a step
+(``BACKGROUND_NEAR_STEP_TOKENS`` within ``INTERACTIVE_NEAR_S`` of interactive
+work, when a closed-loop client's next request is likely on its way), so a
+request that arrives during a pre-encode waits at most one such step; beside
 interactive work it rides along with ``MIN_PREFILL_TOKENS`` once every
 ``BACKGROUND_AGING_S``, so a steady stream of chats slows pre-encodes but
 never stops them.
@@ -49,6 +51,10 @@ T = TypeVar("T")
 
 IDLE_PREFILL_TOKENS = 512
 BACKGROUND_STEP_TOKENS = 128
+# Interactive work seen in the last INTERACTIVE_NEAR_S: a closed-loop client's next request is
+# probably on its way, so background steps shrink (a request waits for at most one of them)
+INTERACTIVE_NEAR_S = 1.0
+BACKGROUND_NEAR_STEP_TOKENS = 32
 BACKGROUND_AGING_S = 0.5  # beside interactive work, background prefill gets a step's share this often
 MIN_PREFILL_TOKENS = 16  # prompts progress however many streams decode
 
@@ -110,6 +116,7 @@ class StepLoop:
         self._running: list[Generation] = []
         self._tasks: list[PrefillTask] = []
         self._background_at = 0.0  # when background prefill last rode along with interactive work
+        self._interactive_at = -INTERACTIVE_NEAR_S  # when a step last had interactive work
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="model", daemon=True)
@@ -174,6 +181,15 @@ class StepLoop:
     def running(self) -> int:
         return len(self._running)
 
+    def interactive_work(self) -> bool:
+        """Whether generations or their prompts' prefill are in flight, or were a moment ago (any
+        thread may ask)."""
+        if self._incoming or self._waiting or self._running:
+            return True
+        if time.monotonic() - self._interactive_at < INTERACTIVE_NEAR_S:
+            return True
+        return any(not task.background and not task.done.is_set() for task in list(self._tasks))
+
     # -- the model thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -229,10 +245,13 @@ class StepLoop:
         budget = self._fill(work, prefills, budget)
         background = sorted((t for t in tasks if t.background and not t.done.is_set()), key=_arrival)
         if not work:
-            self._fill(work, background, BACKGROUND_STEP_TOKENS)
-        elif background and time.monotonic() - self._background_at >= BACKGROUND_AGING_S:
-            self._fill(work, background, min(budget, MIN_PREFILL_TOKENS))  # never starved outright
-            self._background_at = time.monotonic()
+            near = time.monotonic() - self._interactive_at < INTERACTIVE_NEAR_S
+            self._fill(work, background, BACKGROUND_NEAR_STEP_TOKENS if near else BACKGROUND_STEP_TOKENS)
+        else:
+            self._interactive_at = time.monotonic()
+            if background and self._interactive_at - self._background_at >= BACKGROUND_AGING_S:
+                self._fill(work, background, min(budget, MIN_PREFILL_TOKENS))  # never starved outright
+                self._background_at = self._interactive_at
         if not work:
             return
         self._set_threads()
