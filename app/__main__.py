@@ -26,6 +26,10 @@ def serve(argv: list[str], prog: str) -> int:
     args = serve_parser(prog).parse_args(argv)
     try:
         settings = build_settings(args)
+        if settings.malloc_tuning:  # before the server's threads exist (app/allocator.py)
+            from app.allocator import tune
+
+            tune()
         check_device(settings.device)
         check_model(settings.model)
         check_port(args.host, args.port)

@@ -82,6 +82,9 @@ class Settings(BaseSettings):
         512 * 2**20, ge=0, description="in-memory LRU in front of the store, bytes (0: off)"
     )
     store_threads: int = Field(8, ge=1, le=256, description="parallel chunk fetches and uploads")
+    malloc_tuning: bool = Field(
+        True, description="glibc: 2 arenas, 1 MiB mmap threshold, 32 MiB trim (app/allocator.py)"
+    )
     chunk_size: int = Field(256, ge=16, le=65536, description="tokens per stored KV chunk")
     levels_file: Path | None = Field(None, description="JSON level table (see `python -m app calibrate`)")
     encode_levels: NameList = Field(
