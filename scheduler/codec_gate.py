@@ -8,8 +8,8 @@ torch gets only the cores the codec leaves (see ``app/threads.py``).
 
 Encodes (pre-encodes, write-backs) go through ``background``: before each
 encode they wait while ``interactive()`` says interactive requests are on the
-model, for at most ``BACKGROUND_MAX_WAIT_S`` (so they are never starved
-outright). A chat beside a burst of pre-encodes then keeps both cores of a
+model or were a moment ago (the step loop's ``interactive_work``), for at most
+``BACKGROUND_MAX_WAIT_S`` (so they are never starved outright). A chat beside a burst of pre-encodes then keeps both cores of a
 2-core machine instead of one (``benchmarks/encode_fairness.py``); only an
 encode already running when the chat arrives still shares them.
 """
