@@ -139,11 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"wrote {len(rows)} questions on {len(contexts)} stored contexts to {args.out} (and {sidecar.name})"
     )
-    print("| context | tokens | chunks | bytes | encode s |\n|---:|---:|---:|---:|---:|")
+    print("| context | tokens | chunks | MB stored (all levels) | encode s |\n|---:|---:|---:|---:|---:|")
     for c in stored:
-        print(
-            f"| {c['context']} | {c['tokens']} | {c['chunks']} | {c['bytes']} | {c['encode_seconds']:.2f} |"
-        )
+        mb = sum((c["bytes"] or {}).values()) / 1e6
+        print(f"| {c['context']} | {c['tokens']} | {c['chunks']} | {mb:.1f} | {c['encode_seconds']:.2f} |")
     tokenizer = default_tokenizer_dir() if args.tokenizer in ("default", "chars") else args.tokenizer
     print("then, for example:\n  " + tool_command(args.format, url, model, args.out, tokenizer, len(rows)))
     return 0
