@@ -51,10 +51,8 @@ class RequestRecord:
     tpot_ms: float | None = None
     itl_ms: list[float] = field(default_factory=list)
     output_tokens: int = 0
-    output_tokens_from: str = "usage"  # "usage", or "chunks" when the server sent no usage
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
-    kv_cache_info: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -144,7 +142,7 @@ async def send_request(
 
 
 async def read_stream(response: httpx.Response, record: RequestRecord, started: float) -> None:
-    """Fill ``record`` from an SSE stream: content chunk times, usage, ``kv_cache_info``."""
+    """Fill ``record`` from an SSE stream: content chunk times and usage."""
     chunk_times: list[float] = []
     usage: dict[str, Any] | None = None
     async for line in response.aiter_lines():
@@ -159,9 +157,6 @@ async def read_stream(response: httpx.Response, record: RequestRecord, started: 
             record.error = f"stream error: {error.get('message')}"[:300]
             record.rejected = error.get("code") == "rate_limit_exceeded"
             break
-        if record.kv_cache_info is None and isinstance(chunk.get("kv_cache_info"), dict):
-            info = chunk["kv_cache_info"]
-            record.kv_cache_info = {**info, "chunks": len(info.get("chunks") or [])}
         usage = chunk.get("usage") or usage
         if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
             chunk_times.append(time.perf_counter())
@@ -169,10 +164,8 @@ async def read_stream(response: httpx.Response, record: RequestRecord, started: 
         record.ttft_ms = (chunk_times[0] - started) * 1000
         record.itl_ms = [(b - a) * 1000 for a, b in pairwise(chunk_times)]
     record.output_tokens = len(chunk_times)
-    record.output_tokens_from = "chunks"
     if usage is not None:
         record.output_tokens = usage.get("completion_tokens", record.output_tokens)
-        record.output_tokens_from = "usage"
         record.prompt_tokens = usage.get("prompt_tokens")
         record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
