@@ -153,6 +153,7 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
     metrics.waiting.set_function(lambda: max(0, admission.admitted - loop.running))
     metrics.kv_memory_used.set_function(lambda: memory.used)
     metrics.kv_memory_budget.set(settings.kv_memory_bytes)
+    metrics.replica.labels(settings.replica).set(1)
     if cache is not None:
         metrics.memory_prefix_bytes.set_function(lambda: cache.cached_bytes)
         metrics.memory_prefix_evictions.set_function(lambda: cache.stats.evicted_runs)

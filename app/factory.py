@@ -28,6 +28,7 @@ from app.readiness import Readiness
 from app.routes import package_version, router
 from app.settings import Settings
 from app.startup import BackgroundStart, stop_server
+from scheduler.collection_lease import CollectionLease
 from scheduler.lifecycle import CollectionTimer
 from scheduler.profile import save as save_profile
 
@@ -55,7 +56,8 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
         app.state.readiness = Readiness(built.store, probe_pool)
         interval = built.collect_interval_s
         if interval is not None:
-            collection = CollectionTimer(built.collect, interval)
+            lease = CollectionLease(built.store, built.settings.replica, interval)
+            collection = CollectionTimer(lambda: built.collect_if_leased(lease), interval)
             collections.append(collection)
             collection.start()
         app.state.gateway = built  # last: requests are served from here on

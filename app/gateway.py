@@ -31,6 +31,7 @@ from codec import Level, level_by_name
 from codec.levels import default_level_table, load_level_table
 from engine import ModelRunner
 from engine.sampling import SamplingParams
+from scheduler.collection_lease import CollectionLease
 from scheduler.contexts import ContextStore
 from scheduler.executor import RequestExecutor
 from scheduler.generation import Finished, GenerationJob, PrefixReport, PromptDone, TokenEvent
@@ -111,7 +112,7 @@ class Gateway:
 
     def kv_cache_info(self, report: PrefixReport) -> dict[str, Any]:
         """The response's ``kv_cache_info`` extension object."""
-        return kv_cache_info(report, show_link=self._show_link)
+        return kv_cache_info(report, show_link=self._show_link, replica=self.settings.replica)
 
     def collect(self) -> CollectReport | None:
         """One garbage collection and cap pass (blocking; None when one is already running)."""
@@ -130,6 +131,14 @@ class Gateway:
         if report.deleted_objects or report.expired_contexts or report.evicted_contexts:
             log.info("store collection: %s", report.as_dict())
         return report
+
+    def collect_if_leased(self, lease: CollectionLease) -> CollectReport | None:
+        """The periodic sweep: one pass when this replica holds the store's collection lease
+        (``scheduler/collection_lease.py``), else None."""
+        if not lease.acquire():
+            log.debug("store collection skipped: another replica holds the lease")
+            return None
+        return self.collect()
 
     @property
     def collect_interval_s(self) -> float | None:
@@ -353,8 +362,9 @@ def shows_link(settings: Settings) -> bool:
     return not settings.api_keys() or settings.shared_cache
 
 
-def kv_cache_info(report: PrefixReport, show_link: bool = True) -> dict[str, Any]:
-    """The response's ``kv_cache_info`` extension object; ``show_link``: with the link estimate."""
+def kv_cache_info(report: PrefixReport, show_link: bool = True, replica: str | None = None) -> dict[str, Any]:
+    """The response's ``kv_cache_info`` extension object; ``show_link``: with the link estimate;
+    ``replica``: the name of the gateway that answered."""
     return KVCacheInfo(
         cached_tokens=report.cached_tokens,
         memory_tokens=report.memory_tokens,
@@ -370,6 +380,7 @@ def kv_cache_info(report: PrefixReport, show_link: bool = True) -> dict[str, Any
         planned_ms=report.planned_ms,
         prompt_ms=report.prompt_ms,
         slo_met=report.slo_met,
+        replica=replica,
     ).model_dump()
 
 

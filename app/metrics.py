@@ -64,6 +64,10 @@ class Metrics:
             registry=r,
             buckets=_TTFT_BUCKETS,
         )
+        self.replica = Gauge(
+            "cachegen:replica_info", "1, labelled with this gateway's name (the replica setting).", ["replica"],
+            registry=r,
+        )
         self.kv_store_faults = Counter(
             "cachegen:kv_store_faults", "Stored KV that could not be used (recomputed).", ["kind"], registry=r
         )

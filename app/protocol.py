@@ -408,3 +408,4 @@ class KVCacheInfo(BaseModel):
     planned_ms: float | None = None  # the first plan's prediction for load + prefill
     prompt_ms: float = 0.0  # from arrival to the first token's logits (tokenization and queueing included)
     slo_met: bool | None = None  # prompt_ms within the budget
+    replica: str | None = None  # which gateway answered (the `replica` setting)

@@ -7,6 +7,7 @@ named by ``CACHEGEN_CONFIG_FILE``, then the defaults below.
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -53,6 +54,13 @@ class Settings(BaseSettings):
     # model
     model: str = Field(DEFAULT_MODEL, description="'smollm2' (built in), a model directory, or a hub id")
     served_model_name: str | None = Field(None, description="name clients put in 'model'")
+    replica: str = Field(
+        default_factory=socket.gethostname,
+        min_length=1,
+        max_length=253,
+        description="this gateway's name in kv_cache_info and /metrics, to tell replicas apart "
+        "(default: the host name, a pod's name under Kubernetes); keys never depend on it",
+    )
     max_model_len: int | None = Field(
         None, ge=1, description="context window in tokens (prompt + output); default: the model's"
     )

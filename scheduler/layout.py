@@ -6,6 +6,7 @@
                                             a prefix that starts there (eviction's recency)
     contexts/<owner>/<context id>.json      a pre-encoded context's manifest, written last; the
                                             owner is its tenant's id, or ``public`` without tenants
+    gc/lease.json                           which replica runs the periodic collection, and until when
 
 One object per (chunk, level) lets a reader fetch exactly the level it picked
 with a plain GET. The level digest in the name keeps gateways whose level
@@ -24,6 +25,7 @@ _MANIFEST_SUFFIX = ".json"
 PUBLIC_OWNER = "public"  # contexts of no tenant; tenant ids are 32 hex digits, never this
 INDEX_NAME = "index.json"
 USED_NAME = "used"
+COLLECTION_LEASE_KEY = "gc/lease.json"
 
 
 def object_name(level: str, digest: str) -> str:
