@@ -34,8 +34,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.errors import APIError, error_response
 from scheduler.tenancy import KeySpace
 
-# Paths anyone may call: a load balancer's liveness probe carries no key.
-OPEN_PATHS = frozenset({"/health"})
+# Paths anyone may call: a load balancer's or Kubernetes' probes, and a router's load poll, carry
+# no key. They tell whether the gateway serves and how busy it is, nothing stored.
+OPEN_PATHS = frozenset({"/health", "/ready", "/get_load"})
 METRICS_PATH = "/metrics"
 
 

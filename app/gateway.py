@@ -123,6 +123,7 @@ class Gateway:
         finally:
             self._collecting.release()
         m = self.metrics
+        m.collections.inc()
         m.store_bytes.set(report.store_bytes)
         m.contexts_expired.inc(report.expired_contexts)
         m.gc_objects.inc(report.deleted_objects)

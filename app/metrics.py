@@ -122,6 +122,11 @@ class Metrics:
         self.store_bytes = Gauge(
             "cachegen:store_bytes", "Bytes in the KV store, as of the last collection.", registry=r
         )
+        self.collections = Counter(
+            "cachegen:store_collections",
+            "Collection passes this gateway ran (a periodic sweep another replica's lease holds is not one).",
+            registry=r,
+        )
         self.contexts_expired = Counter(
             "cachegen:contexts_expired", "Expired contexts deleted by the collector.", registry=r
         )

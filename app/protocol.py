@@ -230,6 +230,24 @@ class KVExtension(BaseModel):
     )
 
 
+# Fields vllm-router (after SGLang's) writes into every request it forwards, at these values: they
+# ask for nothing we do not do, so only another value is named as ignored.
+ROUTER_DEFAULTS: dict[str, object] = {
+    "no_stop_trim": False,
+    "return_hidden_states": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "include_reasoning": True,
+    "continue_final_message": False,
+}
+
+
+def unasked_fields(extra: dict[str, Any] | None) -> list[str]:
+    """The unknown fields of a request a client asked for something with (router defaults aside)."""
+    return sorted(k for k, v in (extra or {}).items() if k not in ROUTER_DEFAULTS or v != ROUTER_DEFAULTS[k])
+
+
 class SamplingFields(BaseModel):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
@@ -255,7 +273,7 @@ class SamplingFields(BaseModel):
         return list(self.stop or [])
 
     def ignored_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+        return unasked_fields(self.model_extra)
 
 
 class ChatCompletionRequest(SamplingFields, KVExtension):
@@ -338,7 +356,7 @@ class ContextRequest(BaseModel):
         return self
 
     def ignored_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+        return unasked_fields(self.model_extra)
 
     @property
     def source(self) -> str:

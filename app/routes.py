@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app import serving_chat, serving_completions, serving_contexts, serving_tokens
+from app import serving_chat, serving_completions, serving_contexts, serving_tokens, serving_worker
 from app.auth import ANONYMOUS, Tenant
 from app.gateway import CLIENT_CLOSED, Gateway
 from app.protocol import ChatCompletionRequest, CompletionRequest, ContextRequest, now
@@ -155,6 +155,34 @@ async def ready(readiness: ReadinessDep, request: Request) -> JSONResponse:
         return JSONResponse(ReadinessReport(model=model, store="not opened yet").body(), status_code=503)
     report = await readiness.report()
     return JSONResponse(report.body(), status_code=200 if report.ready else 503)
+
+
+# What a router asks of its workers (vllm-router, sglang-router): app/serving_worker.py
+
+
+@router.post("/v1/completions/render")
+async def render_completion(body: CompletionRequest, gateway: GatewayDep) -> dict:
+    return serving_worker.render_completion(gateway, body)
+
+
+@router.post("/v1/chat/completions/render")
+async def render_chat(body: ChatCompletionRequest, gateway: GatewayDep) -> dict:
+    return serving_worker.render_chat(gateway, body)
+
+
+@router.api_route("/get_load", methods=GET)
+async def get_load(gateway: GatewayDep) -> dict:
+    return serving_worker.load(gateway)
+
+
+@router.api_route("/get_model_info", methods=GET)
+async def get_model_info(gateway: GatewayDep) -> dict:
+    return serving_worker.model_info(gateway)
+
+
+@router.api_route("/get_server_info", methods=GET)
+async def get_server_info(gateway: GatewayDep) -> dict:
+    return serving_worker.server_info(gateway, package_version())
 
 
 @router.api_route("/version", methods=GET)

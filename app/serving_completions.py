@@ -25,7 +25,8 @@ from scheduler.generation import Finished, GenerationJob, PromptDone, TokenEvent
 from scheduler.tenancy import PUBLIC, KeySpace
 
 
-def _prompt_ids(gateway: Gateway, request: CompletionRequest) -> list[int]:
+def prompt_ids(gateway: Gateway, request: CompletionRequest) -> list[int]:
+    """The token ids ``request`` is served with (also what ``/v1/completions/render`` answers)."""
     if isinstance(request.prompt, str):
         ids = gateway.text_token_ids(request.prompt)
         if not ids:
@@ -72,7 +73,7 @@ async def completion(
     gateway.check_model(request.model)
     jobs = gateway.jobs(
         request,
-        _prompt_ids(gateway, request),
+        prompt_ids(gateway, request),
         request.max_tokens,
         admitted=admitted,
         prompt_logprobs=request.logprobs if request.echo else None,

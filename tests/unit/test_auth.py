@@ -65,6 +65,9 @@ def _app(keys: ApiKeys, max_body: int = 1 << 20) -> FastAPI:
     app = FastAPI()
 
     @app.get("/health")
+    @app.get("/ready")
+    @app.get("/get_load")
+    @app.get("/get_server_info")
     async def health() -> dict:
         return {}
 
@@ -100,7 +103,9 @@ def test_the_middleware_answers_401_with_an_error_object_except_on_open_paths():
     assert _call(app, "POST", "/echo", headers={"Authorization": "Bearer k2"}).status_code == 401
     ok = _call(app, "POST", "/echo", content=b"{}", headers={"Authorization": "Bearer k1"})
     assert ok.status_code == 200 and ok.json()["tenant"] == ApiKeys(["k1"]).tenant("Bearer k1").id
-    assert _call(app, "GET", "/health").status_code == 200
+    for probe in ("/health", "/ready", "/get_load"):  # a prober or router sends no key
+        assert _call(app, "GET", probe).status_code == 200
+    assert _call(app, "GET", "/get_server_info").status_code == 401  # how it is configured: a key
     assert _call(app, "GET", "/metrics").status_code == 200  # open by default
     locked = _app(ApiKeys(["k1"], metrics_auth=True))
     assert _call(locked, "GET", "/metrics").status_code == 401
