@@ -92,3 +92,19 @@ def test_dockerfile_builds_the_default_image() -> None:
     assert 'ENTRYPOINT ["python", "-m", "app", "--host", "0.0.0.0", "--port", "8000"]' in text
     for package in ("app", "codec", "engine", "scheduler", "storage"):
         assert f"COPY {package} ./{package}" in text
+
+
+def test_the_scaled_profile_puts_two_gateways_on_one_bucket_behind_the_router() -> None:
+    services = compose()["services"]
+    second, router = services["gateway-2"], services["router"]
+    assert second["profiles"] == router["profiles"] == ["scaled"]
+    one, two = service_env(services["gateway"]), service_env(second)
+    assert one["CACHEGEN_STORE"] == two["CACHEGEN_STORE"] and one["AWS_ENDPOINT_URL"] == two["AWS_ENDPOINT_URL"]
+    assert one["CACHEGEN_REPLICA"] != two["CACHEGEN_REPLICA"]
+    command = router["command"]
+    assert "--policy=cache_aware" in command and "--health-check-endpoint=/ready" in command
+    workers = command[command.index("--worker-urls") + 1 :]
+    assert workers[:2] == ["http://gateway:8000", "http://gateway-2:8000"]
+    assert router["build"]["dockerfile"] == "docker/Dockerfile.router"
+    text = (DOCKER / "Dockerfile.router").read_text()
+    assert "pip install vllm-router==0.1.17" in text and 'ENTRYPOINT ["vllm-router"]' in text
