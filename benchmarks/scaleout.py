@@ -1,0 +1,279 @@
+"""Two replicas over one S3 store behind vLLM's router: ``cache_aware`` against ``round_robin``.
+
+    python -m benchmarks.scaleout [--requests 64] [--clients 4] [--out benchmarks/results/scaleout.json]
+
+Starts SeaweedFS, two gateways (replicas ``a`` and ``b``) over one bucket and ``vllm-router`` in
+front, all real processes on loopback. It stores 8 contexts of 2K-4K tokens once (``POST
+/v1/contexts``), then for each policy restarts the gateways (cold memory) and the router, and
+runs the same closed-loop workload: ``--clients`` clients send chats (a stored context as the
+system message, then a question), the context drawn Zipf-like. Per policy it reports:
+
+- memory-hot share: of the requests, those whose context came from the replica's memory prefix
+  cache (``kv_cache_info.memory_tokens``), not fetched from S3;
+- TTFT p50/p99 (client-side, streamed) and output tokens/s over the run;
+- bytes read from S3 per request (``cachegen:kv_bytes_loaded`` over both replicas; the LRU object
+  tier is off, so every stored chunk a request loads is a GET);
+- how the requests split over the replicas (``kv_cache_info.replica``).
+
+Each replica's KV memory (``--kv-memory-mb``) holds about half the contexts: the regime where
+routing matters (a working set that fits every replica is hot under any policy).
+
+Before the policies, it measures what ``benchmarks/scaleout_sim.py`` needs (the per-replica costs
+of a memory hit, a store hit and a decoded token, on one replica with one client) and writes
+them into the JSON, which the simulation reads to predict 1-64 replicas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.stats import percentile
+from benchmarks.workload import QUESTIONS, build_contexts, keywords, load_tokenizer, pre_encode
+from tests.gateway_process import GatewayProcess
+from tests.support.router import RouterProcess, router_binary
+from tests.support.seaweed import SeaweedServer
+
+POLICIES = ("cache_aware", "round_robin")
+KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M at fp32: K and V, 30 layers, 3 KV heads of 64
+
+
+def zipf_draws(n_contexts: int, count: int, s: float, seed: int) -> list[int]:
+    weights = [1.0 / (k + 1) ** s for k in range(n_contexts)]
+    return random.Random(seed).choices(range(n_contexts), weights=weights, k=count)
+
+
+def chat(client: httpx.Client, model: str, context: str, question: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed chat: TTFT, output tokens and the kv_cache_info of its first chunk."""
+    body = {
+        "model": model,
+        "messages": [{"role": "system", "content": context}, {"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    ttft, info, tokens = None, None, 0
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            info = info or event.get("kv_cache_info")
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if ttft is None and any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                ttft = time.perf_counter() - started
+    return {"ttft_s": ttft, "e2e_s": time.perf_counter() - started, "tokens": tokens, "kv": info}
+
+
+def bytes_loaded(url: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("cachegen:kv_bytes_loaded_total{"):
+            total += float(line.split()[-1])
+    return total
+
+
+def per_token(result: dict[str, Any]) -> float:
+    return (result["e2e_s"] - result["ttft_s"]) / max(1, result["tokens"] - 1)
+
+
+def decode_pairs(urls: list[str], model: str, context: str, max_tokens: int) -> list[dict[str, Any]]:
+    """Two sequences decoding together on each of ``urls``, all at once."""
+    jobs = [(url, q) for url in urls for q in ("One?", "Two?")]
+
+    def one(job: tuple[str, str]) -> dict[str, Any]:
+        with httpx.Client(base_url=job[0], timeout=600) as client:
+            return chat(client, model, context, job[1], max_tokens)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(one, jobs))
+
+
+def measure_costs(
+    a: GatewayProcess, b: GatewayProcess, model: str, contexts: list[str], stored: list[dict], max_tokens: int
+) -> dict:
+    """Replica A alone (B stopped), one client: a store hit (cold memory), the same context hot,
+    and decode speed at batch 1 and 2: the per-replica costs the simulation starts from. Then both
+    replicas decoding two sequences each at once: how much this host slows a replica when the
+    two share its cores (the simulation's replay of this run applies it; its grid, one replica
+    per machine, does not)."""
+    with a, httpx.Client(base_url=a.url, timeout=600) as client:
+        cold = chat(client, model, contexts[0], "What is this about?", max_tokens)
+        hot = chat(client, model, contexts[0], "Who is mentioned first?", max_tokens)
+        long = chat(client, model, contexts[0], "Tell more.", 8 * max_tokens)
+        pair = decode_pairs([a.url], model, contexts[0], 8 * max_tokens)
+        with b:
+            shared = decode_pairs([a.url, b.url], model, contexts[0], 8 * max_tokens)
+    chunks = cold["kv"]["chunks"]
+    stored_tokens = stored[0]["cached_tokens"]
+    per_token_2 = max(per_token(r) for r in pair)
+    return {
+        "context_tokens": stored_tokens,
+        "store_hit_ttft_s": cold["ttft_s"],
+        "memory_hit_ttft_s": hot["ttft_s"],
+        "store_fetch_s": sum(c["fetch_ms"] for c in chunks) / 1e3,
+        "store_decode_s": sum(c["decode_ms"] for c in chunks) / 1e3,
+        "store_bytes": sum(c["bytes"] for c in chunks),
+        "store_chunks": len(chunks),
+        "decode_s_per_token_batch1": per_token(long),
+        "decode_s_per_token_batch2": per_token_2,  # each of two sequences decoding together
+        "colocated_slowdown": statistics.fmean(per_token(r) for r in shared) / per_token_2,
+        "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
+    }
+
+
+def run_policy(
+    policy: str, gateways: list[GatewayProcess], root: Path, model: str, contexts: list[str], args
+) -> dict[str, Any]:
+    for gateway in gateways:
+        gateway.start()  # cold: an empty memory prefix cache
+    try:
+        with RouterProcess([g.url for g in gateways], policy, root / f"router-{policy}.log") as router:
+            loaded_before = sum(bytes_loaded(g.url) for g in gateways)
+            draws = zipf_draws(len(contexts), args.requests, args.zipf, args.seed)
+            words = [keywords(c) for c in contexts]
+            rng = random.Random(args.seed + 1)
+            questions = [QUESTIONS[i % len(QUESTIONS)].format(rng.choice(words[k])) for i, k in enumerate(draws)]
+            results: list[dict[str, Any]] = [{} for _ in draws]
+            cursor = iter(range(len(draws)))
+            lock = threading.Lock()
+
+            def client_loop() -> None:
+                with httpx.Client(base_url=router.url, timeout=600) as client:
+                    while True:
+                        with lock:
+                            i = next(cursor, None)
+                        if i is None:
+                            return
+                        results[i] = {"context": draws[i], **chat(client, model, contexts[draws[i]], questions[i], args.max_tokens)}
+
+            started = time.perf_counter()
+            with ThreadPoolExecutor(args.clients) as pool:
+                for f in [pool.submit(client_loop) for _ in range(args.clients)]:
+                    f.result()
+            wall = time.perf_counter() - started
+            s3_bytes = sum(bytes_loaded(g.url) for g in gateways) - loaded_before
+    finally:
+        for gateway in gateways:
+            gateway.stop()
+    return summarize(policy, results, wall, s3_bytes, args)
+
+
+def summarize(policy: str, results: list[dict], wall: float, s3_bytes: float, args) -> dict[str, Any]:
+    ttfts = [r["ttft_s"] for r in results]
+    hot = [r for r in results if r["kv"]["memory_tokens"] >= 0.9 * r["kv"]["cached_tokens"] > 0]
+    replicas: dict[str, int] = {}
+    for r in results:
+        replicas[r["kv"]["replica"]] = replicas.get(r["kv"]["replica"], 0) + 1
+    return {
+        "policy": policy,
+        "requests": len(results),
+        "clients": args.clients,
+        "memory_hot_share": len(hot) / len(results),
+        "memory_token_share": sum(r["kv"]["memory_tokens"] for r in results)
+        / max(1, sum(r["kv"]["cached_tokens"] for r in results)),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "s3_bytes_per_request": s3_bytes / len(results),
+        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "wall_s": wall,
+        "by_replica": replicas,
+        "per_request": [
+            {"context": r["context"], "ttft_s": r["ttft_s"], "replica": r["kv"]["replica"],
+             "memory_tokens": r["kv"]["memory_tokens"], "cached_tokens": r["kv"]["cached_tokens"]}
+            for r in results
+        ],  # fmt: skip
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--contexts", type=int, default=8)
+    p.add_argument("--min-tokens", type=int, default=2048)
+    p.add_argument("--max-tokens-context", type=int, default=4096)
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the context draws")
+    p.add_argument("--kv-memory-mb", type=int, default=800, help="each replica's KV memory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/scaleout.json"))
+    args = p.parse_args()
+    if router_binary() is None:
+        raise SystemExit("vllm-router is not installed: pip install vllm-router==0.1.17")
+
+    tokenizer = load_tokenizer("default")
+    step = (args.max_tokens_context - args.min_tokens) // max(1, args.contexts - 1)
+    contexts = [build_contexts(tokenizer, 1, args.min_tokens + k * step)[0].replace("Document 1 of 1", f"Document {k + 1}")
+                for k in range(args.contexts)]  # fmt: skip
+    root = Path(tempfile.mkdtemp(prefix="scaleout-"))
+    with SeaweedServer(root / "s3") as seaweed:
+        bucket = seaweed.create_bucket()
+        common = {
+            **seaweed.env(),
+            "CACHEGEN_STORE": f"s3://{bucket}/kv",
+            "CACHEGEN_STORE_CACHE_BYTES": "0",
+            "CACHEGEN_KV_MEMORY_BYTES": str(args.kv_memory_mb * 2**20),
+            "CACHEGEN_ENCODE_LEVELS": "high,medium,low",
+        }
+        gateways = [GatewayProcess({**common, "CACHEGEN_REPLICA": n}, root / f"{n}.log") for n in ("a", "b")]
+        with gateways[0] as a:
+            with httpx.Client(base_url=a.url, timeout=1200) as client:
+                model = client.get("/v1/models").json()["data"][0]["id"]
+                stored = pre_encode(client, contexts, None)
+        # fresh processes: the contexts are in the store only
+        costs = measure_costs(gateways[0], gateways[1], model, contexts, stored, args.max_tokens)
+        print(f"per-replica costs: {json.dumps(costs)}")
+        runs = [run_policy(policy, gateways, root, model, contexts, args) for policy in POLICIES]
+    shutil.rmtree(root, ignore_errors=True)
+
+    by = {r["policy"]: r for r in runs}
+    ca, rr = by["cache_aware"], by["round_robin"]
+    report = {
+        "benchmark": "scaleout",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "contexts": [{"tokens": s["tokens"], "cached_tokens": s["cached_tokens"], "bytes": s["bytes"]} for s in stored],
+        "costs": costs,
+        "runs": runs,
+        "ratios": {
+            "hot_share_cache_aware_over_round_robin": ca["memory_hot_share"] / max(rr["memory_hot_share"], 1e-9),
+            "ttft_p50_cache_aware_over_round_robin": ca["ttft_p50_s"] / rr["ttft_p50_s"],
+            "s3_bytes_cache_aware_over_round_robin": ca["s3_bytes_per_request"] / max(rr["s3_bytes_per_request"], 1),
+            "tokens_per_s_cache_aware_over_round_robin": ca["tokens_per_s"] / rr["tokens_per_s"],
+        },
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\n{'policy':<12} {'hot share':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'S3 MB/req':>9} {'tok/s':>7}  split")
+    for r in runs:
+        print(
+            f"{r['policy']:<12} {r['memory_hot_share']:>9.2f} {r['ttft_p50_s']:>8.3f}s {r['ttft_p99_s']:>8.3f}s "
+            f"{r['s3_bytes_per_request'] / 1e6:>9.2f} {r['tokens_per_s']:>7.1f}  {r['by_replica']}"
+        )
+    print("ratios (cache_aware / round_robin): " + ", ".join(f"{k.split('_cache')[0]} {v:.2f}" for k, v in report["ratios"].items()))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
