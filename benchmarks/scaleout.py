@@ -13,7 +13,8 @@ system message, then a question), the context drawn Zipf-like. Per policy it rep
 - TTFT p50/p99 (client-side, streamed) and output tokens/s over the run;
 - bytes read from S3 per request (``cachegen:kv_bytes_loaded`` over both replicas; the LRU object
   tier is off, so every stored chunk a request loads is a GET);
-- how the requests split over the replicas (``kv_cache_info.replica``).
+- how the requests split over the replicas (``kv_cache_info.replica``);
+- the CPU time the gateways and everything else on the host (S3 server, router, clients) used.
 
 Each replica's KV memory (``--kv-memory-mb``) holds about half the contexts: the regime where
 routing matters (a working set that fits every replica is hot under any policy).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import shutil
@@ -41,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from app.threads import available_cores
 from benchmarks.stats import percentile
 from benchmarks.workload import QUESTIONS, build_contexts, keywords, load_tokenizer, pre_encode
 from tests.gateway_process import GatewayProcess
@@ -141,14 +144,30 @@ def measure_costs(
     }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_policy(
-    policy: str, gateways: list[GatewayProcess], root: Path, model: str, contexts: list[str], args
+    policy: str,
+    gateways: list[GatewayProcess],
+    root: Path,
+    model: str,
+    contexts: list[str],
+    args,
+    seaweed_pid: int,
 ) -> dict[str, Any]:
     for gateway in gateways:
         gateway.start()  # cold: an empty memory prefix cache
     try:
         with RouterProcess([g.url for g in gateways], policy, root / f"router-{policy}.log") as router:
             loaded_before = sum(bytes_loaded(g.url) for g in gateways)
+            # what else ran on this host's cores meanwhile: the S3 server, the router, the clients
+            others = [seaweed_pid, router.proc.pid, os.getpid()]
+            others_before = sum(cpu_seconds(pid) for pid in others)
+            gateways_before = sum(cpu_seconds(g.proc.pid) for g in gateways)
             draws = zipf_draws(len(contexts), args.requests, args.zipf, args.seed)
             words = [keywords(c) for c in contexts]
             rng = random.Random(args.seed + 1)
@@ -172,10 +191,15 @@ def run_policy(
                     f.result()
             wall = time.perf_counter() - started
             s3_bytes = sum(bytes_loaded(g.url) for g in gateways) - loaded_before
+            host_cpu = {
+                "cores": available_cores(),
+                "others_s": sum(cpu_seconds(pid) for pid in others) - others_before,
+                "gateways_s": sum(cpu_seconds(g.proc.pid) for g in gateways) - gateways_before,
+            }
     finally:
         for gateway in gateways:
             gateway.stop()
-    return summarize(policy, results, wall, s3_bytes, args)
+    return {**summarize(policy, results, wall, s3_bytes, args), "host_cpu": host_cpu}
 
 
 def summarize(policy: str, results: list[dict], wall: float, s3_bytes: float, args) -> dict[str, Any]:
@@ -234,6 +258,10 @@ def main() -> None:
             "CACHEGEN_STORE_CACHE_BYTES": "0",
             "CACHEGEN_KV_MEMORY_BYTES": str(args.kv_memory_mb * 2**20),
             "CACHEGEN_ENCODE_LEVELS": "high,medium,low",
+            # two replicas on this host's cores: a core each. With the default (the model thread's
+            # OpenMP team on every core) two busy replicas spin against each other: a decode step
+            # took 10x as long (docs/scaleout.md)
+            "CACHEGEN_TORCH_THREADS": str(max(1, available_cores() // 2)),
         }
         gateways = [GatewayProcess({**common, "CACHEGEN_REPLICA": n}, root / f"{n}.log") for n in ("a", "b")]
         with gateways[0] as a:
@@ -243,7 +271,7 @@ def main() -> None:
         # fresh processes: the contexts are in the store only
         costs = measure_costs(gateways[0], gateways[1], model, contexts, stored, args.max_tokens)
         print(f"per-replica costs: {json.dumps(costs)}")
-        runs = [run_policy(policy, gateways, root, model, contexts, args) for policy in POLICIES]
+        runs = [run_policy(policy, gateways, root, model, contexts, args, seaweed.pid) for policy in POLICIES]
     shutil.rmtree(root, ignore_errors=True)
 
     by = {r["policy"]: r for r in runs}
@@ -251,7 +279,7 @@ def main() -> None:
     report = {
         "benchmark": "scaleout",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "contexts": [{"tokens": s["tokens"], "cached_tokens": s["cached_tokens"], "bytes": s["bytes"]} for s in stored],
         "costs": costs,

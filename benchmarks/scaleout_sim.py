@@ -23,9 +23,10 @@ model fed with what ``benchmarks/scaleout.py`` measured on one replica (its ``co
 
 It first replays the measured setting (2 replicas, the measured contexts and clients, both
 policies), averaged over seeds, and prints how far each figure is from the measurement. There
-the two replicas shared one 2-core host, so the replay slows the CPU costs by the host's
-measured co-location factor (both replicas decoding at once against one alone); the grid
-assumes a machine per replica and uses the solo costs. Then the grid. What it leaves out: tokenization and HTTP, the router's own latency, recompute of
+the two replicas shared one 2-core host with each other, the S3 server, the router and the
+clients, so the replay slows the CPU costs by what was measured of that: the co-location
+factor (both replicas decoding at once against one alone) and the share of the cores the other
+processes used over the run. The grid assumes a machine per replica and uses the solo costs. What it leaves out: tokenization and HTTP, the router's own latency, recompute of
 contexts the store lacks, and the prefix tree's eviction.
 """
 
@@ -77,9 +78,15 @@ class Costs:
             colocated_slowdown=m["colocated_slowdown"],
         )
 
-    def colocated(self) -> Costs:
-        """These costs on the measuring host, where the replicas share its cores."""
+    def on_host(self, host_cpu: dict[str, float] | None, wall_s: float, replicas: int) -> Costs:
+        """These costs on the measuring host, where the replicas share its cores with each other
+        (``colocated_slowdown``) and with the S3 server, the router and the clients: what those
+        used of the cores over the run (``host_cpu``, measured) the replicas did not have."""
         f = self.colocated_slowdown
+        if host_cpu is not None:
+            per_replica = host_cpu["cores"] / replicas
+            left = per_replica - host_cpu["others_s"] / wall_s / replicas
+            f *= min(per_replica, 1.0) / max(min(left, 1.0), 0.1)
         return dataclasses.replace(
             self,
             memory_hit_s_per_token=self.memory_hit_s_per_token * f,
@@ -262,21 +269,22 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 def replay(costs: Costs, measured: dict[str, Any], s3: float, seeds: int) -> list[dict[str, Any]]:
     """The measured setting, simulated: per policy, the simulation's mean over seeds beside the
     measurement, and the relative error of each figure. The two replicas shared one host's cores
-    there, so the CPU costs are the co-located ones (``Costs.colocated``)."""
-    costs = costs.colocated()
+    there, with the S3 server, the router and the clients: the CPU costs are the host's
+    (``Costs.on_host``, from what each run measured)."""
     args = measured["args"]
     tokens = [c["tokens"] for c in measured["contexts"]]
     rows = []
     for run in measured["runs"]:
+        host = costs.on_host(run.get("host_cpu"), run["wall_s"], replicas=2)
         sims = [
             simulate(
-                costs, replicas=2, context_tokens=tokens, clients=args["clients"], policy=run["policy"],
+                host, replicas=2, context_tokens=tokens, clients=args["clients"], policy=run["policy"],
                 requests=args["requests"], warmup=0, max_tokens=args["max_tokens"],
                 kv_memory_bytes=args["kv_memory_mb"] * 2**20, s3_bytes_per_s=s3, zipf=args["zipf"], seed=seed,
             )  # fmt: skip
             for seed in range(seeds)
         ]
-        row: dict[str, Any] = {"policy": run["policy"]}
+        row: dict[str, Any] = {"policy": run["policy"], "cpu_slowdown": host.decode_s_per_token / costs.decode_s_per_token}
         for key in ("memory_hot_share", "ttft_p50_s", "ttft_p99_s", "tokens_per_s", "s3_bytes_per_request"):
             predicted = statistics.fmean(s[key] for s in sims)
             row[key] = {
@@ -310,7 +318,7 @@ def main() -> None:
     print(f"{'policy':<12} {'figure':<22} {'measured':>10} {'simulated':>10} {'error':>7}")
     for row in check:
         for key, v in row.items():
-            if key != "policy":
+            if isinstance(v, dict):
                 err = "" if v["error"] is None else f"{v['error']:+.0%}"
                 print(f"{row['policy']:<12} {key:<22} {v['measured']:>10.3f} {v['simulated']:>10.3f} {err:>7}")
 

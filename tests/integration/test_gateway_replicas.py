@@ -42,6 +42,7 @@ def replicas(tmp_path_factory, model_dir, seaweed) -> Iterator[tuple[GatewayProc
         "CACHEGEN_STORE": f"s3://{bucket}/shared",
         "CACHEGEN_STORE_CACHE_BYTES": "0",  # every read goes to S3: what one writes, the other sees
         "CACHEGEN_PREFIX_CACHE": "false",  # what is reused comes from the store, not from memory
+        "CACHEGEN_TORCH_THREADS": "1",  # two replicas on a small machine: a core each (docs/scaleout.md)
     }
     a = GatewayProcess(common, root / "a.log")
     b = GatewayProcess(

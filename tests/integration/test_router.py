@@ -52,6 +52,7 @@ def cluster(tmp_path_factory, seaweed) -> Iterator[Cluster]:
         **seaweed.env(),
         "CACHEGEN_STORE": f"s3://{bucket}/shared",
         "CACHEGEN_STORE_CACHE_BYTES": "0",  # what one writes, the other reads from S3
+        "CACHEGEN_TORCH_THREADS": "1",  # two replicas on a small machine: a core each (docs/scaleout.md)
     }
     # A sweeps the store every second; B stores the chunks of prompts it had to prefill
     a = GatewayProcess({**common, "CACHEGEN_REPLICA": "a", "CACHEGEN_GC_INTERVAL_S": "1"}, root / "a.log")

@@ -135,6 +135,11 @@ class SeaweedServer:
         return f"http://127.0.0.1:{self._ports['s3']}"
 
     @property
+    def pid(self) -> int | None:
+        """The server process's id while it runs."""
+        return self._proc.pid if self.running else None
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
