@@ -1,14 +1,13 @@
-"""What a router asks of its workers: token ids, load, server and model info.
+"""What a router asks of its workers: token ids, load, server and model info (docs/scaleout.md).
 
-``POST /v1/completions/render`` and ``/v1/chat/completions/render`` answer the token ids a request
-would be served with (``{"token_ids": [...]}``, as vLLM's render endpoints): vllm-router's
-``cache_aware`` policy matches prompts by token ids, asking every worker on every request (it
-falls back to ``/tokenize`` on a 404, one more round trip).
-
-vLLM's router (``vllm-router``, after SGLang's) reads a worker's load from ``/get_load`` for its
-``/get_loads`` view and load-aware policies, and forwards ``/get_server_info`` and
-``/get_model_info`` to a worker. The names and fields follow SGLang's server, which those routers
-were written against; ``replica`` says which gateway answered.
+- ``POST /v1/completions/render`` and ``/v1/chat/completions/render`` answer the token ids a
+  request would be served with (``{"token_ids": [...]}``, as vLLM's render endpoints).
+  vllm-router's ``cache_aware`` policy matches prompts by token ids and asks every worker on
+  every request; on a 404 it falls back to ``/tokenize``, one more round trip.
+- ``GET /get_load`` (an integer ``load``) feeds the router's ``/get_loads`` view and its
+  ``power_of_two`` policy; ``/get_server_info`` and ``/get_model_info`` are forwarded to a
+  worker when a client asks the router. Names and fields follow SGLang's server, which these
+  routers were first written against; ``replica`` says which gateway answered.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Two replicas over one S3 store behind vLLM's router: ``cache_aware`` against ``round_robin``.
 
-    python -m benchmarks.scaleout [--requests 64] [--clients 4] [--out benchmarks/results/scaleout.json]
+    python -m benchmarks.scaleout [--requests 128] [--clients 4] [--out benchmarks/results/scaleout.json]
 
 Starts SeaweedFS, two gateways (replicas ``a`` and ``b``) over one bucket and ``vllm-router`` in
 front, all real processes on loopback. It stores 8 contexts of 2K-4K tokens once (``POST
@@ -231,7 +231,7 @@ def summarize(policy: str, results: list[dict], wall: float, s3_bytes: float, ar
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--requests", type=int, default=128)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--contexts", type=int, default=8)
     p.add_argument("--min-tokens", type=int, default=2048)

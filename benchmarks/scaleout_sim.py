@@ -6,9 +6,10 @@
 Two replicas on a 2-core machine cannot show throughput scaling, so this is a discrete-event
 model fed with what ``benchmarks/scaleout.py`` measured on one replica (its ``costs``):
 
-- **A replica** is a processor-sharing server: its active requests share its CPU, and a batch of
-  n runs each at ``n**-beta`` of its solo speed, beta from the measured decode time per token at
-  batch 1 and 2 (beta 1: batching gains nothing; 0: a batch costs what one request does).
+- **A replica** is a processor-sharing server over one core: each prompt in progress takes an
+  equal share, and so does the decode batch as a whole, whose step at batch n costs ``n**beta``
+  solo steps; beta from the measured decode time per token at batch 1 and 2 (beta 1: batching
+  gains nothing; 0: a batch costs what one sequence does).
 - **A request** is a prompt phase, then ``max_tokens`` decode steps. Its prompt is a memory hit
   (the replica's prefix cache holds the context: the measured memory-hit TTFT, per context
   token) or a store hit: an S3 fetch of the context's bytes (the measured per-stream rate,
@@ -107,6 +108,12 @@ class Job:
     remaining: float = 0.0  # bytes in fetch, CPU seconds at solo speed otherwise
     ttft: float | None = None
 
+    @property
+    def batched(self) -> bool:
+        """In the model's ragged step: decoding, or prefilling the question after a memory hit
+        (its context's KV is copied in, so the step holds only the question's tokens)."""
+        return self.phase == "decode" or (self.phase == "prompt" and self.hot)
+
 
 @dataclass
 class Replica:
@@ -114,6 +121,15 @@ class Replica:
     memory: OrderedDict[int, int] = field(default_factory=OrderedDict)  # context -> tokens, LRU first
     cpu: list[Job] = field(default_factory=list)
     in_flight: int = 0
+
+    def speed(self, job: Job, beta: float) -> float:
+        """How fast ``job`` runs against its solo speed. The replica's core is shared, in equal
+        parts, by each prompt in progress (a prefill or a decode of fetched chunks: work that does
+        not batch) and by the decode batch as a whole, whose step at batch n costs ``n**beta``
+        times a solo step."""
+        batched = sum(j.batched for j in self.cpu)
+        shares = len(self.cpu) - batched + (1 if batched else 0)
+        return 1.0 / (shares * batched**beta) if job.batched else 1.0 / shares
 
     def lookup(self, context: int) -> bool:
         if context in self.memory:
@@ -204,17 +220,15 @@ def simulate(
         for job, _ in fetching:
             dt = min(dt, job.remaining / fetch_rate)
         for rep in pool:
-            if rep.cpu:
-                speed = len(rep.cpu) ** -costs.beta
-                dt = min(dt, min(j.remaining for j in rep.cpu) / speed)
+            for j in rep.cpu:
+                dt = min(dt, j.remaining / rep.speed(j, costs.beta))
         now += dt
         for job, _ in fetching:
             job.remaining -= dt * fetch_rate
         for rep in pool:
-            if rep.cpu:
-                speed = len(rep.cpu) ** -costs.beta
-                for j in rep.cpu:
-                    j.remaining -= dt * speed
+            speeds = [rep.speed(j, costs.beta) for j in rep.cpu]
+            for j, speed in zip(rep.cpu, speeds, strict=True):
+                j.remaining -= dt * speed
         eps = 1e-12
         for job, r in [f for f in fetching if f[0].remaining <= eps]:
             fetching.remove((job, r))

@@ -88,3 +88,14 @@ def test_context_request_needs_exactly_one_source():
     for bad in ({}, {"text": "a", "prompt_token_ids": [1]}, {"text": ""}, {"prompt_token_ids": []}):
         with pytest.raises(ValidationError):
             ContextRequest(**bad)
+
+
+def test_the_routers_default_fields_are_not_named_as_ignored():
+    from app.protocol import CompletionRequest
+
+    routed = CompletionRequest(
+        model="m", prompt="hi", no_stop_trim=False, skip_special_tokens=True, return_hidden_states=False
+    )
+    assert routed.ignored_fields() == []
+    asked = CompletionRequest(model="m", prompt="hi", skip_special_tokens=False, frobnicate=1)
+    assert asked.ignored_fields() == ["frobnicate", "skip_special_tokens"]
