@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -44,13 +45,44 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, poll_s: float
     return False
 
 
-class GatewayProcess:
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+class ServerProcess:
+    """A server subprocess on ``port`` whose output goes to ``log_path``: ``start`` (each kind's
+    own), ``stop``, ``log``, and a context manager that starts and stops it."""
+
+    def __init__(self, log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float) -> Self:
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class GatewayProcess(ServerProcess):
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        super().__init__(log_path)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
 
     def start(self, timeout: float = 240.0) -> GatewayProcess:
         self._log = self.log_path.open("ab")
@@ -69,23 +101,3 @@ class GatewayProcess:
             return self
         self.stop()
         raise RuntimeError(f"gateway did not become healthy in {timeout}s:\n{self.log()}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc is not None:
-            self._log.close()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-5000:]
-
-    def __enter__(self) -> GatewayProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

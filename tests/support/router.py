@@ -9,14 +9,14 @@ from pathlib import Path
 
 import httpx
 
-from tests.gateway_process import free_port
+from tests.gateway_process import ServerProcess, free_port
 
 
 def router_binary() -> str | None:
     return shutil.which("vllm-router")
 
 
-class RouterProcess:
+class RouterProcess(ServerProcess):
     """``vllm-router --worker-urls ... --policy P`` on a free port, health-checking ``/ready``.
 
     The health check runs every second and one failure marks a worker down, so a killed replica
@@ -24,10 +24,8 @@ class RouterProcess:
     """
 
     def __init__(self, workers: list[str], policy: str, log_path: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(log_path)
         self.workers = workers
-        self.log_path = log_path
         self.args = [
             router_binary() or "vllm-router",
             "--host", "127.0.0.1",
@@ -43,7 +41,6 @@ class RouterProcess:
             *extra,
             "--worker-urls", *workers,
         ]  # fmt: skip
-        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60.0) -> RouterProcess:
         self._log = self.log_path.open("ab")
@@ -60,23 +57,3 @@ class RouterProcess:
             time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"vllm-router did not answer /health in {timeout}s:\n{self.log()}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc is not None:
-            self._log.close()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-5000:]
-
-    def __enter__(self) -> RouterProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
