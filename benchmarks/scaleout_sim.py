@@ -46,6 +46,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from benchmarks.stats import percentile
+
 REPLICAS = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT_COUNTS = (10, 100, 1000, 10_000)
 POLICIES = ("cache_aware", "round_robin")
@@ -186,7 +188,7 @@ def simulate(
     cum = list(_cumulative([1.0 / (k + 1) ** zipf for k in range(n_ctx)]))
     pool = [Replica(kv_memory_bytes // costs.kv_bytes_per_token) for _ in range(replicas)]
     router = Router(policy, pool)
-    fetching: list[tuple[Job, int]] = []
+    fetching: list[Job] = []
     done: list[Job] = []
     issued = 0
     now = 0.0
@@ -209,7 +211,7 @@ def simulate(
             job.remaining = job.tokens * costs.store_bytes_per_token
             if issued > warmup:
                 bytes_fetched += job.remaining
-            fetching.append((job, r))
+            fetching.append(job)
 
     for c in range(clients):
         issue(c)
@@ -217,24 +219,24 @@ def simulate(
         # the next event: a fetch or a CPU phase ending
         fetch_rate = min(costs.s3_stream_bytes_per_s, s3_bytes_per_s / len(fetching)) if fetching else 0.0
         dt = math.inf
-        for job, _ in fetching:
+        for job in fetching:
             dt = min(dt, job.remaining / fetch_rate)
         for rep in pool:
             for j in rep.cpu:
                 dt = min(dt, j.remaining / rep.speed(j, costs.beta))
         now += dt
-        for job, _ in fetching:
+        for job in fetching:
             job.remaining -= dt * fetch_rate
         for rep in pool:
             speeds = [rep.speed(j, costs.beta) for j in rep.cpu]
             for j, speed in zip(rep.cpu, speeds, strict=True):
                 j.remaining -= dt * speed
         eps = 1e-12
-        for job, r in [f for f in fetching if f[0].remaining <= eps]:
-            fetching.remove((job, r))
+        for job in [f for f in fetching if f.remaining <= eps]:
+            fetching.remove(job)
             job.phase, job.remaining = "prompt", job.tokens * costs.store_cpu_s_per_token
-            pool[r].cpu.append(job)
-        for r, rep in enumerate(pool):
+            pool[job.replica].cpu.append(job)
+        for rep in pool:
             for job in [j for j in rep.cpu if j.remaining <= eps]:
                 if job.phase == "prompt":
                     job.ttft = now - job.started
@@ -253,11 +255,11 @@ def simulate(
                 if issued < requests + warmup:
                     issue(job.client)
     counted = done[warmup:]
-    ttfts = sorted(j.ttft for j in counted)
+    ttfts = [j.ttft for j in counted]
     return {
         "memory_hot_share": sum(j.hot for j in counted) / len(counted),
-        "ttft_p50_s": _quantile(ttfts, 0.5),
-        "ttft_p99_s": _quantile(ttfts, 0.99),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
         "tokens_per_s": tokens_after_warmup / (now - (counted_start or 0.0)),
         "s3_bytes_per_request": bytes_fetched / max(1, issued - warmup),
     }
@@ -272,12 +274,6 @@ def _cumulative(weights: list[float]):
 
 def _draw(cum: list[float], rng: random.Random) -> int:
     return min(bisect.bisect_left(cum, rng.random()), len(cum) - 1)
-
-
-def _quantile(sorted_values: list[float], q: float) -> float:
-    i = q * (len(sorted_values) - 1)
-    lo, hi = math.floor(i), math.ceil(i)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (i - lo)
 
 
 def replay(costs: Costs, measured: dict[str, Any], s3: float, seeds: int) -> list[dict[str, Any]]:
