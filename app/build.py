@@ -157,6 +157,7 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
     if cache is not None:
         metrics.memory_prefix_bytes.set_function(lambda: cache.cached_bytes)
         metrics.memory_prefix_evictions.set_function(lambda: cache.stats.evicted_runs)
+        metrics.memory_prefix_copied.set_function(lambda: cache.stats.copied_tokens)
     log.info(
         "serving %s on %s (%s), KV store %s, fingerprint %s; threads: torch %d, codec %d",
         loaded.name,

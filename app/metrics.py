@@ -44,7 +44,12 @@ class Metrics:
         )
         self.memory_prefix_hits = Counter(
             "cachegen:memory_prefix_cache_hits",
-            "Prompt tokens whose KV was copied from memory (the prefix cache of computed KV).",
+            "Prompt tokens whose KV came from memory (the prefix cache of computed KV).",
+            registry=r,
+        )
+        self.memory_prefix_copied = Gauge(
+            "cachegen:memory_prefix_cache_copied_tokens",
+            "Of the memory hits, tokens copied into a request's buffer instead of attached.",
             registry=r,
         )
         self.memory_prefix_bytes = Gauge(

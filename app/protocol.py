@@ -415,7 +415,7 @@ class KVCacheInfo(BaseModel):
     """Extension field ``kv_cache_info``: where the prompt's KV came from."""
 
     cached_tokens: int  # from the store or from memory
-    memory_tokens: int = 0  # of those, copied from KV in memory (the prefix cache): no fetch, no decode
+    memory_tokens: int = 0  # of those, from KV in memory (the prefix cache): no fetch, no decode
     recomputed_tokens: int
     chunks: list[KVChunkInfo]
     load_ms: float

@@ -22,7 +22,14 @@ While ``active(segments)`` is set on the calling thread, each layer's
 attention writes the segment's new keys and values straight into its buffer
 (``(layers, 2, kv_heads, capacity, head_dim)``, the layout shared with the
 codec) and attends to ``buffer[:start + tokens]``: there is no cache object
-and no copy. Outside ``active``, the function is plain causal attention over
+and no copy. A sequence may also read KV it does not own (``Segment.shared``): the
+leading tokens of another request's buffer, attached from the in-memory
+prefix cache instead of copied. Its own buffer then starts at the end of
+those parts (``Segment.offset``), and its tokens attend to the shared parts
+and to its own buffer in one softmax (``_attend_parts``): nothing is copied
+or concatenated, and the shared tokens are never written.
+
+Outside ``active``, the function is plain causal attention over
 whatever cache the caller passed (offline tools, single-sequence passes), with
 the causal mask aligned to the end of the keys as transformers' own is.
 
@@ -49,14 +56,27 @@ ATTENTION_NAME = "cachegen_ragged"
 class Segment:
     """One sequence's tokens in a ragged step."""
 
-    kv: torch.Tensor  # (layers, 2, kv_heads, capacity, head_dim): the sequence's KV buffer
-    start: int  # tokens already in ``kv``; these go at ``start .. start + len(token_ids)``
+    kv: torch.Tensor  # (layers, 2, kv_heads, capacity, head_dim): the sequence's own KV buffer
+    start: int  # the position of the first token: the sequence's KV holds ``start`` tokens before it
     token_ids: Sequence[int]
     logits: str = "last"  # "last", "all" (every token's, for prompt logprobs) or "none"
+    # read-only KV of the first tokens, in order, each (layers, 2, kv_heads, tokens, head_dim);
+    # ``kv`` holds the tokens after them, from its index 0
+    shared: tuple[torch.Tensor, ...] = ()
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+    @property
+    def offset(self) -> int:
+        """The position of ``kv``'s first token: how many tokens the shared parts hold."""
+        return sum(part.shape[3] for part in self.shared)
+
+    def parts(self, layer: int) -> list[torch.Tensor]:
+        """The layer's KV up to ``end``, in order: each (2, kv_heads, tokens, head_dim)."""
+        own = self.kv[layer, :, :, : self.end - self.offset]
+        return [part[layer] for part in self.shared] + [own]
 
 
 BATCH_MAX_KEYS = 1024  # decodes over longer contexts are attended one by one
@@ -91,17 +111,22 @@ class _DecodeBatch:
         """Write this batch's new keys and values into their buffers and its outputs into ``out``."""
         segments, rows = self.segments, self.rows
         new_kv = torch.stack((key[0, :, rows], value[0, :, rows]))  # (2, kv_heads, batch, dim)
-        torch._foreach_copy_([s.kv[layer, :, :, s.start] for s in segments], list(new_kv.unbind(2)))
+        own = [s.kv[layer, :, :, s.start - s.offset] for s in segments]
+        torch._foreach_copy_(own, list(new_kv.unbind(2)))
         kv_heads, dim = key.shape[1], key.shape[3]
         batch = len(segments)
         if self._gathered is None:
             shape = (2, batch, kv_heads, self.longest, dim)
             self._gathered = torch.zeros(shape, dtype=key.dtype, device=key.device)
         gathered = self._gathered
-        torch._foreach_copy_(
-            [gathered[:, b, :, : s.end] for b, s in enumerate(segments)],
-            [s.kv[layer, :, :, : s.end] for s in segments],
-        )
+        into, sources = [], []
+        for b, segment in enumerate(segments):
+            at = 0
+            for part in segment.parts(layer):
+                into.append(gathered[:, b, :, at : at + part.shape[2]])
+                sources.append(part)
+                at += part.shape[2]
+        torch._foreach_copy_(into, sources)
         grouped = query[0, :, rows].transpose(0, 1).reshape(batch, kv_heads, -1, dim)
         scores = torch.matmul(grouped, gathered[0].transpose(2, 3))
         scores.mul_(scale if scale is not None else dim**-0.5).masked_fill_(self.padding, float("-inf"))
@@ -157,8 +182,12 @@ def ragged_attention(
         n = len(segment.token_ids)
         q1 = q0 + n
         buffer = segment.kv[layer]
-        buffer[0, :, segment.start : segment.end] = key[0, :, q0:q1]
-        buffer[1, :, segment.start : segment.end] = value[0, :, q0:q1]
+        first, last = segment.start - segment.offset, segment.end - segment.offset
+        buffer[0, :, first:last] = key[0, :, q0:q1]
+        buffer[1, :, first:last] = value[0, :, q0:q1]
+        if segment.shared:
+            out[0, :, q0:q1] = _attend_parts(query[0, :, q0:q1], segment.parts(layer), scaling)
+            continue
         keys = buffer[0, :, : segment.end]
         values = buffer[1, :, : segment.end]
         if n == 1:
@@ -183,6 +212,36 @@ def _one_query(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
     scores = torch.matmul(grouped, keys.transpose(1, 2)).mul_(scale if scale is not None else dim**-0.5)
     out = torch.matmul(torch.softmax(scores, dim=-1), values)
     return out.reshape(query.shape)
+
+
+def _attend_parts(query: torch.Tensor, parts: list[torch.Tensor], scale: float | None) -> torch.Tensor:
+    """Causal attention of ``query`` (q_heads, tokens, dim), the sequence's last tokens, over its
+    KV in ``parts`` (each (2, kv_heads, tokens, dim), the last one ending with the query's own).
+
+    The parts' scores are laid side by side and normalised by one softmax, so the result is the
+    attention over their concatenation, without concatenating them. Query heads are grouped by
+    their KV head, as in ``_one_query``: no key is repeated. Only the last part needs a mask (the
+    earlier ones end before the first query).
+    """
+    heads, n, dim = query.shape
+    kv_heads = parts[0].shape[1]
+    grouped = query.reshape(kv_heads, -1, dim)  # (kv_heads, group * n, dim), a head's n rows in a row
+    scores = torch.cat([torch.matmul(grouped, part[0].transpose(1, 2)) for part in parts], dim=-1)
+    scores.mul_(scale if scale is not None else dim**-0.5)
+    if n > 1:
+        keys = scores.shape[-1]
+        rows = torch.arange(n, device=query.device) + (keys - n)  # each query's position
+        hidden = torch.arange(keys, device=query.device)[None, :] > rows[:, None]  # (n, keys)
+        scores.view(kv_heads, -1, n, keys).masked_fill_(hidden, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    out, at = None, 0
+    for part in parts:
+        length = part.shape[2]
+        term = torch.matmul(weights[..., at : at + length], part[1])
+        out = term if out is None else out.add_(term)
+        at += length
+    assert out is not None
+    return out.reshape(heads, n, dim)
 
 
 def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:

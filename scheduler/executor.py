@@ -12,9 +12,12 @@
 
 Before the store, the prefix cache (``scheduler/prefix_cache.py``) is asked
 for KV already in memory; the store is read only when it could add at least
-a chunk more. A generation publishes its buffer there when its prompt is
-done, and on finishing hands its memory to the cache (which releases it
-when it holds nothing new); a failed one releases it.
+a chunk more. A hit from memory alone is attached, never copied: the request
+takes the cached buffer over when nobody uses it and it has room, and
+otherwise shares it (its own buffer, and its reservation, hold only the
+tokens after the hit). A generation publishes its buffer there when its
+prompt is done, and on finishing hands its memory to the cache (which
+releases it when it holds nothing new); a failed one releases it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from scheduler.contexts import ContextStore
 from scheduler.generation import Finished, Generation, GenerationJob, PrefixReport
 from scheduler.kv_memory import KVMemory
 from scheduler.loader import PrefixLoader
-from scheduler.prefix_cache import CachedRun, Hit, PrefixCache
+from scheduler.prefix_cache import MAX_PARTS, CachedRun, Hit, PrefixCache, parts
 from scheduler.prefix_load import KVRequest, PrefixLoad
 from scheduler.step_loop import StepLoop
 from scheduler.stored import StoredPrefix, find_stored_prefix
@@ -89,24 +92,35 @@ class RequestExecutor:
                     emit(Finished("abort", 0))
                     return False
         hit = self._lookup(job)
-        # an unused cached buffer large enough for the whole request becomes its buffer: no copy
-        attached = self.cache.take(hit, job.capacity) if hit is not None and self.cache else None
+        memory_only = hit is not None and self._memory_suffices(job, hit)
+        # an unused cached buffer large enough for the whole request becomes its buffer; a hit
+        # from memory alone that cannot be taken is shared: either way nothing is copied
+        attached = self._take(job, hit, memory_only)
+        shared: tuple[torch.Tensor, ...] = ()
         if attached is not None:
             kv, nbytes = attached.kv, attached.nbytes
+            if attached.parent is not None:
+                shared = tuple(parts(attached.parent, attached.offset))
         else:
-            nbytes = self.kv_bytes(job)
+            assert hit is None or self.cache is not None
+            sharing = memory_only and hit is not None and len(hit.parts()) < MAX_PARTS
+            own = job.capacity - hit.tokens if sharing and hit is not None else job.capacity
+            nbytes = own * self.runner.kv_bytes_per_token
             if not self.memory.reserve(nbytes, cancel):
-                if hit is not None and self.cache is not None:
-                    self.cache.unpin(hit)
+                self._unpin(hit)
                 emit(Finished("abort", 0))
                 return False
-            kv = self.runner.new_kv(job.capacity)
+            kv = self.runner.new_kv(own)
+            if sharing and hit is not None:
+                shared = tuple(hit.parts())
+        # the hit a sharing request reads stays pinned until it finishes
+        reading = hit if shared and attached is None else None
         runs: list[CachedRun] = [attached] if attached is not None else []
         handed = False
         try:
             # the last prompt token is always recomputed: its logits give the first output token
             keys = self.contexts.keys(job.prompt_ids[:-1], job.key_space) if job.kv is not None else []
-            load = self._load_prefix(job, keys, LoopTarget(kv, self.loop, cancel), cancel, hit, attached)
+            load = self._load_prefix(job, keys, LoopTarget(kv, self.loop, cancel), cancel, hit, attached, shared)
             budget = job.kv.budget_s if job.kv is not None else None
             cached = load.stored_tokens + load.memory_tokens
             report = PrefixReport(
@@ -129,24 +143,42 @@ class RequestExecutor:
                 report,
                 emit,
                 cancel,
-                on_prefilled=lambda g: self._prefilled(g, keys, load, runs, nbytes),
-                on_finished=lambda g: self._finished(g, runs, nbytes),
+                on_prefilled=lambda g: self._prefilled(g, keys, load, runs, nbytes, reading),
+                on_finished=lambda g: self._finished(g, runs, nbytes, reading),
+                shared=shared,
             )
             self.loop.submit(generation)
             handed = True
         finally:
-            if hit is not None and attached is None and self.cache is not None:
-                self.cache.unpin(hit)
+            if hit is not None and attached is None and (reading is None or not handed):
+                self._unpin(hit)
             if not handed:
                 if attached is not None and self.cache is not None:
-                    self.cache.release(attached, None, job.key_space)
-                self.memory.release(nbytes)
+                    self.memory.release(self.cache.release(attached, None, job.key_space))
+                else:
+                    self.memory.release(nbytes)
         # after the hand-off: the request does not wait for these
         if load.bad_chunks:
             self.contexts.forget_chunks(keys[0], set(load.bad_chunks))
         if load.stored_tokens:
             self.contexts.touch(keys[0])
         return handed
+
+    def _memory_suffices(self, job: GenerationJob, hit: Hit) -> bool:
+        """Whether the store could not add a chunk to what memory holds of the prompt."""
+        return hit.tokens + self.contexts.chunk_size > len(job.prompt_ids) - 1
+
+    def _take(self, job: GenerationJob, hit: Hit | None, memory_only: bool) -> CachedRun | None:
+        """The hit's buffer, for the request to write on, when nobody else uses it. A buffer that
+        continues a parent's is taken only when memory alone serves the prompt (the store's
+        chunks are loaded from the first token, into a buffer of the request's own)."""
+        if hit is None or self.cache is None or (hit.run.parent is not None and not memory_only):
+            return None
+        return self.cache.take(hit, job.capacity)
+
+    def _unpin(self, hit: Hit | None) -> None:
+        if hit is not None and self.cache is not None:
+            self.memory.release(self.cache.unpin(hit))
 
     def _lookup(self, job: GenerationJob) -> Hit | None:
         """KV in memory for ``job``: for ``auto``, any within its levels' quality; for a level the
@@ -166,23 +198,29 @@ class RequestExecutor:
         cancel: threading.Event,
         hit: Hit | None,
         attached: CachedRun | None,
+        shared: tuple[torch.Tensor, ...],
     ) -> PrefixLoad:
         """Memory first, then the store when it holds at least a chunk more than memory."""
         if job.kv is None:
             return PrefixLoad(kv=None)
-        chunk = self.contexts.chunk_size
-        if hit is not None and hit.tokens + chunk > len(job.prompt_ids) - 1:  # the store cannot add a chunk
-            return self._from_memory(hit, target.kv, attached is not None)
+        in_place = attached is not None or bool(shared)  # the hit's KV is read where it lies
+        if hit is not None and self._memory_suffices(job, hit):
+            return self._from_memory(hit, target.kv, in_place)
         load = self._load_stored(job, keys, target, cancel)
-        if hit is not None and hit.tokens + chunk > load.tokens:
-            memory = self._from_memory(hit, target.kv, attached is not None)  # over what the store wrote
+        if hit is not None and hit.tokens + self.contexts.chunk_size > load.tokens:
+            memory = self._from_memory(hit, target.kv, in_place)  # over what the store wrote
             memory.faults = load.faults
             return memory
         return load
 
-    def _from_memory(self, hit: Hit, kv: torch.Tensor, attached: bool) -> PrefixLoad:
-        if not attached:
-            kv[:, :, :, : hit.tokens].copy_(hit.run.kv[:, :, :, : hit.tokens])
+    def _from_memory(self, hit: Hit, kv: torch.Tensor, in_place: bool) -> PrefixLoad:
+        if not in_place:  # a chain too long to share, or the store's chunks came first
+            if self.cache is not None:
+                self.cache.count_copy(hit.tokens)
+            at = 0
+            for part in hit.parts():
+                kv[:, :, :, at : at + part.shape[3]].copy_(part)
+                at += part.shape[3]
         return PrefixLoad(
             kv=kv,
             tokens=hit.tokens,
@@ -231,7 +269,13 @@ class RequestExecutor:
         return load
 
     def _prefilled(
-        self, generation: Generation, keys: list[str], load: PrefixLoad, runs: list[CachedRun], nbytes: int
+        self,
+        generation: Generation,
+        keys: list[str],
+        load: PrefixLoad,
+        runs: list[CachedRun],
+        nbytes: int,
+        reading: Hit | None,
     ) -> None:
         """On the model thread, when the prompt is done: publish its KV, learn its costs, start
         write-back."""
@@ -249,6 +293,7 @@ class RequestExecutor:
                     distortion,
                     load.store_key,
                     load.expires,
+                    parent=reading,
                 )
                 runs.append(run)
             if job.prompt_ready is not None:
@@ -261,21 +306,22 @@ class RequestExecutor:
             return
         first = load.tokens // self.contexts.chunk_size
         if len(keys) > first:
-            self.write_back.submit(keys, generation.kv, first=first, exact=load.exact)
+            self.write_back.submit(keys, generation.parts, first=first, exact=load.exact)
 
-    def _finished(self, generation: Generation, runs: list[CachedRun], nbytes: int) -> None:
-        """The generation's memory goes to the prefix cache with every token it computed, or back."""
+    def _finished(
+        self, generation: Generation, runs: list[CachedRun], nbytes: int, reading: Hit | None
+    ) -> None:
+        """The generation's memory goes to the prefix cache with every token it computed, or back;
+        then it lets go of the hit it read."""
         if generation.job.prompt_ready is not None:
             generation.job.prompt_ready.set()
         if self.cache is None or not runs:
             self.memory.release(nbytes)
-            return
-        failed = generation.failed
-        freed = self.cache.release(
-            runs[0], None if failed else generation.computed_ids, generation.job.key_space
-        )
-        if freed:  # the cache keeps nothing of this buffer
-            self.memory.release(freed)
+        else:
+            failed = generation.failed
+            ids = None if failed else generation.computed_ids
+            self.memory.release(self.cache.release(runs[0], ids, generation.job.key_space))
+        self._unpin(reading)
 
 
 def _worst_distortion(request: KVRequest) -> float:

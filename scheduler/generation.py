@@ -72,7 +72,7 @@ class PrefixReport:
     budget_ms: float | None = None
     planned_ms: float | None = None  # what the first plan predicted for the prompt
     prompt_ms: float = 0.0  # arrival to first-token logits: what the budget is held to
-    memory_tokens: int = 0  # of ``cached_tokens``, those copied from KV in memory (prefix cache)
+    memory_tokens: int = 0  # of ``cached_tokens``, those from KV in memory (prefix cache)
 
     @property
     def slo_met(self) -> bool | None:
@@ -100,7 +100,9 @@ class Finished:
 
 
 class Generation:
-    """A request's state on the model thread. ``kv`` holds the first ``cached`` prompt tokens."""
+    """A request's state on the model thread. Its KV is ``shared`` (read-only parts attached from
+    the prefix cache, possibly none), then its own buffer ``kv``; together they hold the first
+    ``cached`` prompt tokens."""
 
     def __init__(
         self,
@@ -113,10 +115,12 @@ class Generation:
         cancel: threading.Event,
         on_prefilled: Callable[[Generation], None] = lambda g: None,
         on_finished: Callable[[Generation], None] = lambda g: None,
+        shared: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self.job = job
         self.runner = runner
         self.kv = kv
+        self.shared = shared
         self.cached = cached
         self.position = cached  # tokens whose KV is in ``kv``
         self.report = report
@@ -139,8 +143,13 @@ class Generation:
 
     @property
     def computed_ids(self) -> list[int]:
-        """The tokens whose KV is in ``kv``: the prompt, then every generated token fed back."""
+        """The tokens whose KV is computed: the prompt, then every generated token fed back."""
         return (self.job.prompt_ids + self.generated)[: self.position]
+
+    @property
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """The request's KV in order: the shared parts, then its own buffer."""
+        return (*self.shared, self.kv)
 
     @property
     def prefilling(self) -> bool:
@@ -151,14 +160,14 @@ class Generation:
         prompt = self.job.prompt_ids
         if not self.prefilling:
             assert self.last_token is not None
-            return Segment(self.kv, self.position, [self.last_token])
+            return Segment(self.kv, self.position, [self.last_token], shared=self.shared)
         if budget <= 0:
             return None
         end = min(len(prompt), self.position + budget)
         logits = "all" if self.prompt_lp is not None else ("last" if end == len(prompt) else "none")
         if self.prefill_started is None:
             self.prefill_started = time.perf_counter()
-        return Segment(self.kv, self.position, prompt[self.position : end], logits)
+        return Segment(self.kv, self.position, prompt[self.position : end], logits, self.shared)
 
     def advance(self, segment: Segment, logits: torch.Tensor | None, alone: bool) -> None:
         """Take a step's result; emits events, and finishes the request when it is over."""

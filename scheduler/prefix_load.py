@@ -53,7 +53,7 @@ class PrefixLoad:
     exact: bool = True  # every loaded token's KV equals what a full prefill computes
     bandwidth_bps: float | None = None  # bytes per second, the estimate after loading
     planned_s: float | None = None  # the first plan's predicted time to the first token
-    memory_tokens: int = 0  # leading tokens copied from KV in memory (scheduler/prefix_cache.py)
+    memory_tokens: int = 0  # leading tokens from KV in memory, attached (scheduler/prefix_cache.py)
     distortion: float = 0.0  # the worst quality loss among the loaded tokens (0: exact)
     expires: float | None = None  # when the earliest stored chunk loaded expires (None: none does)
     store_key: str | None = None  # the first stored chunk's key, when stored KV was loaded

@@ -42,8 +42,11 @@ class WriteBack:
         self._pending = 0
         self._lock = threading.Lock()
 
-    def submit(self, keys: Sequence[str], kv: torch.Tensor, first: int, exact: bool) -> None:
-        """Store chunks ``first..len(keys)`` of ``kv`` ((layers, 2, heads, tokens, head_dim)). ``exact``: every token before them came
+    def submit(
+        self, keys: Sequence[str], kv: torch.Tensor | Sequence[torch.Tensor], first: int, exact: bool
+    ) -> None:
+        """Store chunks ``first..len(keys)`` of ``kv`` ((layers, 2, heads, tokens, head_dim), or
+        such parts in order, joined on the write-back thread). ``exact``: every token before them came
         from exact KV; otherwise their KV carries the loss of a lossy prefix, and lossless levels,
         which readers serve as exact, are not written."""
         levels = self.levels if exact else [lv for lv in self.levels if not lv.lossless]
@@ -53,11 +56,19 @@ class WriteBack:
                 return
             self._pending += 1
         tokens = len(keys) * self.contexts.chunk_size
-        self._executor.submit(self._store, list(keys), kv[:, :, :, :tokens], first, levels)
+        parts = [kv] if isinstance(kv, torch.Tensor) else list(kv)
+        self._executor.submit(self._store, list(keys), parts, tokens, first, levels)
 
-    def _store(self, keys: list[str], kv: torch.Tensor, first: int, levels: list[Level]) -> None:
+    def _store(
+        self, keys: list[str], parts: list[torch.Tensor], tokens: int, first: int, levels: list[Level]
+    ) -> None:
         try:
-            self.contexts.save_chunks(keys, kv.to("cpu", copy=True), levels, first=first)
+            pieces, left = [], tokens
+            for part in parts:
+                pieces.append(part[:, :, :, :left].to("cpu"))
+                left -= pieces[-1].shape[3]
+            kv = torch.cat(pieces, dim=3)  # a copy: the request's buffers live on
+            self.contexts.save_chunks(keys, kv, levels, first=first)
             self.on_done("stored")
         except StorageError as exc:
             log.warning("write-back of %d chunks failed: %s", len(keys) - first, exc)

@@ -88,6 +88,46 @@ def test_the_decodes_of_a_step_share_one_attention_call_per_layer(runner, ids, m
         assert torch.allclose(got, stock_last_logits(runner, tokens), atol=2e-3)
 
 
+def test_sequences_that_read_shared_kv_match_stock_transformers_and_never_write_it(
+    runner, ids, monkeypatch
+):
+    """Sequences whose first tokens are another buffer's (the prefix cache's shared hits): a
+    prefill chunk, a batched decode, and a decode attended alone, over one or two shared parts."""
+    base = runner.new_kv(301)
+    runner.forward_ragged([Segment(base, 0, ids[:300], "none")])  # the "cached" run: 300 tokens
+    middle = runner.new_kv(40)  # a run built on its first 160 tokens
+    runner.forward_ragged([Segment(middle, 160, ids[160:192], "none", (base[:, :, :, :160],))])
+    frozen = base[:, :, :, :300].clone()
+
+    def step() -> tuple[list[list[int]], list[torch.Tensor]]:
+        one = (base[:, :, :, :288],)
+        two = (base[:, :, :, :160], middle[:, :, :, :32])
+        decode_kv = runner.new_kv(8)
+        runner.forward_ragged([Segment(decode_kv, 288, ids[288:291], "none", one)])
+        segments = [
+            Segment(runner.new_kv(20), 288, ids[288:299], "last", one),  # the rest of the prompt
+            Segment(runner.new_kv(20), 192, ids[400:405], "last", two),  # another question
+            Segment(decode_kv, 291, [ids[500]], "last", one),  # a decode after 291 tokens
+            Segment(runner.new_kv(4), 192, [ids[501]], "last", two),
+        ]
+        sequences = [
+            ids[:299],
+            ids[:192] + ids[400:405],
+            ids[:291] + [ids[500]],
+            ids[:192] + [ids[501]],
+        ]
+        return sequences, runner.forward_ragged(segments)
+
+    for limit in (1024, 100):  # the decodes batched, then attended alone
+        monkeypatch.setattr(ragged, "BATCH_MAX_KEYS", limit)
+        sequences, logits = step()
+        for tokens, got in zip(sequences, logits):
+            want = stock_last_logits(runner, tokens)
+            assert torch.allclose(got, want, atol=2e-3), f"{len(tokens)} tokens: {(got - want).abs().max()}"
+            assert int(got.argmax()) == int(want.argmax())
+        assert torch.equal(base[:, :, :, :300], frozen)  # the shared tokens are only read
+
+
 def test_bf16_weights_replace_every_linear_and_keep_the_answers(model_dir, runner, ids):
     loaded = load_model(str(model_dir), dtype="bf16-weights")
     assert loaded.bf16_weights and loaded.dtype == torch.float32

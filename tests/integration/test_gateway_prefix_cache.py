@@ -93,11 +93,42 @@ def test_another_tenant_never_hits(gateway):
 def test_the_choices_of_one_request_share_its_prompt(gateway):
     a = KEYS[0]
     before = metric(gateway.url, a, "cachegen:memory_prefix_cache_hits_total")
+    copied = metric(gateway.url, a, "cachegen:memory_prefix_cache_copied_tokens")
     out = chat(gateway.url, a, "Name three Python features. Unique question 7.", n=3, temperature=0.8, seed=1)
     assert len(out["choices"]) == 3
     prompt = out["usage"]["prompt_tokens"]
-    # choices 1 and 2 copied the first choice's prompt from memory (all but its last partial block)
+    # choices 1 and 2 attached the first choice's prompt (all but its last partial block) while it
+    # was still generating: shared, not copied
     assert metric(gateway.url, a, "cachegen:memory_prefix_cache_hits_total") - before >= 2 * (prompt - 16)
+    assert metric(gateway.url, a, "cachegen:memory_prefix_cache_copied_tokens") == copied
+
+
+def test_a_question_on_a_context_still_generating_shares_its_kv_and_answers_as_a_full_prefill(gateway):
+    a = KEYS[0]
+    copied = metric(gateway.url, a, "cachegen:memory_prefix_cache_copied_tokens")
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "system", "content": TEXT[:2000]}, {"role": "user", "content": "Tell a story."}],
+        "max_tokens": 120,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {a}"}
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, headers=headers, timeout=600) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for line in lines:  # the first token: the long request's prompt is published
+            if line.startswith("data:") and '"content"' in line:
+                break
+        other = chat(gateway.url, a, "What is Python named after? A question asked meanwhile.")
+        finished = any(line.startswith("data: [DONE]") for line in lines)
+    assert finished
+    assert other["kv_cache_info"]["memory_tokens"] >= 400
+    assert metric(gateway.url, a, "cachegen:memory_prefix_cache_copied_tokens") == copied
+    full = chat(gateway.url, a, "What is Python named after? A question asked meanwhile.", kv_cache=False)
+    assert other["choices"][0]["message"] == full["choices"][0]["message"]
 
 
 @pytest.fixture(scope="module")

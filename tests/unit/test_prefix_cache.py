@@ -157,3 +157,69 @@ def test_kv_loaded_from_a_deleted_or_expired_context_is_not_served():
     expiring = c.publish(buffer(64), ids, 40, PUBLIC, expires=0.5)  # long past
     assert c.lookup(ids, PUBLIC) is None
     assert c.release(expiring, ids, PUBLIC) == 40
+
+
+def share(c: PrefixCache, hit, ids: list[int], nbytes: int, space=PUBLIC):
+    """A request that attached ``hit`` and prefilled the rest of ``ids`` into a buffer of its own."""
+    own = buffer(len(ids) - hit.tokens, fill=1000.0)
+    return c.publish(own, ids, nbytes, space, parent=hit)
+
+
+def test_a_request_on_a_run_in_use_shares_it_and_its_run_continues_the_parent():
+    c = cache()
+    context = list(range(100))
+    first = c.publish(buffer(120), context + [7] * 20, 100, PUBLIC)  # still generating
+    question = context[:96] + [500] * 40
+    hit = c.lookup(question, PUBLIC)
+    assert hit.run is first and hit.tokens == 96 and c.take(hit, capacity=200) is None
+    [view] = hit.parts()
+    assert view.data_ptr() == first.kv.data_ptr() and view.shape[3] == 96  # the parent's memory
+    child = share(c, hit, question, nbytes=30)
+    assert child.parent is first and child.offset == 96 and first.pins == 2  # the request's, the run's
+    # a hit past the parent's tokens attaches both buffers, in order
+    deeper = c.lookup(question + [1] * 3, PUBLIC)
+    assert deeper.run is child and deeper.tokens == 128
+    head, tail = deeper.parts()
+    assert head.data_ptr() == first.kv.data_ptr() and head.shape[3] == 96
+    assert tail.data_ptr() == child.kv.data_ptr() and tail.shape[3] == 32
+    assert torch.equal(tail[0, 0, 0, :, 0], torch.arange(32) + 1000.0)
+    # a hit within the parent's tokens is the parent's
+    assert c.lookup(context[:64], PUBLIC).run is first
+    assert c.take(deeper, capacity=140) is None  # still its request's
+
+
+def test_a_parent_outlives_its_readers_and_children():
+    c = cache()
+    ids = list(range(64))
+    parent = finished(c, ids, nbytes=100)
+    hit = c.lookup(ids + [9] * 20, PUBLIC)
+    child = share(c, hit, ids + [9] * 20, nbytes=30)
+    assert c.release(child, ids + [9] * 20, PUBLIC) == 0  # kept: it adds a block
+    assert c.unpin(hit) == 0  # the request is done; the child still pins its parent
+    assert parent.pins == 1
+    # eviction takes the child first, then the parent it no longer pins
+    assert c.reclaim(120) == 130 and c.lookup(ids, PUBLIC) is None and c.stats.evicted_runs == 2
+
+
+def test_a_run_dropped_while_read_is_freed_by_its_last_reader():
+    c = cache()
+    ids = list(range(64))
+    run = c.publish(buffer(64), ids, 40, PUBLIC, store_key="k" * 64)
+    reader = c.lookup(ids + [5] * 30, PUBLIC)  # a request attaches it while its owner still runs
+    assert c.release(run, ids, PUBLIC) == 0
+    assert c.forget("k" * 64) == 0  # deleted while read: unlisted, not freed
+    assert c.lookup(ids, PUBLIC) is None
+    assert c.reclaim(10**9) == 0  # never under a reader
+    assert c.unpin(reader) == 40  # the last reader frees it
+    assert c.cached_bytes == 0
+
+
+def test_a_failed_child_gives_back_its_own_buffer_and_its_pin():
+    c = cache()
+    ids = list(range(48))
+    parent = finished(c, ids, nbytes=100)
+    hit = c.lookup(ids + [3] * 16, PUBLIC)
+    child = share(c, hit, ids + [3] * 16, nbytes=30)
+    assert c.release(child, None, PUBLIC) == 30  # a failed request: never kept
+    assert c.unpin(hit) == 0 and parent.pins == 0
+    assert c.lookup(ids + [3] * 16, PUBLIC).run is parent
