@@ -16,7 +16,9 @@ model fed with what ``benchmarks/scaleout.py`` measured on one replica (its ``co
   shared under ``--s3-gbps`` over all replicas), then the decode of those bytes into KV (the
   measured store-hit TTFT less its fetch, per token), on the replica's CPU.
 - **Memory** is each replica's KV budget as an LRU over contexts (a loaded context stays in the
-  prefix cache); the running requests' KV is taken from it first.
+  prefix cache). As in the gateway, a request on a context in memory attaches its KV rather
+  than copying it (its own few tokens are left out), and a context that running requests read
+  is not evicted; a store hit's KV being loaded takes its room first.
 - **The router**: ``round_robin`` in turn; ``cache_aware`` as vllm-router decides: the replica a
   context was last routed to (its prefix tree), unless the in-flight counts are imbalanced
   (difference > 64 and ratio > 1.5), and the least loaded replica for a context never seen.
@@ -139,15 +141,19 @@ class Replica:
             return True
         return False
 
-    def admit(self, context: int, tokens: int, running_tokens: int) -> None:
-        """Keep ``context`` in the prefix cache, evicting the least recently used to fit."""
-        budget = self.capacity_tokens - running_tokens
+    def admit(self, context: int, tokens: int, loading_tokens: int, in_use: set[int]) -> None:
+        """Keep ``context`` in the prefix cache, evicting the least recently used contexts that no
+        running request reads, to fit beside the KV of store hits still loading."""
+        budget = self.capacity_tokens - loading_tokens
         if tokens > budget:
             return
         self.memory[context] = tokens
         self.memory.move_to_end(context)
-        while sum(self.memory.values()) > budget:
-            self.memory.popitem(last=False)
+        for old in list(self.memory):
+            if sum(self.memory.values()) <= budget:
+                break
+            if old not in in_use and old != context:
+                del self.memory[old]
 
 
 class Router:
@@ -240,8 +246,9 @@ def simulate(
             for job in [j for j in rep.cpu if j.remaining <= eps]:
                 if job.phase == "prompt":
                     job.ttft = now - job.started
-                    running = sum(j.tokens for j in rep.cpu if j is not job)
-                    rep.admit(job.context, job.tokens, running)
+                    others = [j for j in rep.cpu if j is not job]
+                    loading = sum(j.tokens for j in others if j.phase == "prompt" and not j.hot)
+                    rep.admit(job.context, job.tokens, loading, {j.context for j in others})
                     job.phase, job.remaining = "decode", (max_tokens - 1) * costs.decode_s_per_token
                     if job.remaining > eps:
                         continue

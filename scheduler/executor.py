@@ -59,6 +59,21 @@ class LoopTarget:
 
 
 @dataclass
+class _Buffer:
+    """Where a request's KV goes: the read-only parts it shares, then its own buffer."""
+
+    kv: torch.Tensor
+    nbytes: int  # the KV memory reserved for ``kv``
+    shared: tuple[torch.Tensor, ...] = ()
+    attached: CachedRun | None = None  # a cached run taken over, whose buffer ``kv`` is
+    reading: Hit | None = None  # a hit shared: pinned until the request finishes
+
+    @property
+    def in_place(self) -> bool:
+        return self.attached is not None or self.reading is not None
+
+
+@dataclass
 class RequestExecutor:
     runner: ModelRunner
     contexts: ContextStore
@@ -92,35 +107,18 @@ class RequestExecutor:
                     emit(Finished("abort", 0))
                     return False
         hit = self._lookup(job)
-        memory_only = hit is not None and self._memory_suffices(job, hit)
-        # an unused cached buffer large enough for the whole request becomes its buffer; a hit
-        # from memory alone that cannot be taken is shared: either way nothing is copied
-        attached = self._take(job, hit, memory_only)
-        shared: tuple[torch.Tensor, ...] = ()
-        if attached is not None:
-            kv, nbytes = attached.kv, attached.nbytes
-            if attached.parent is not None:
-                shared = tuple(parts(attached.parent, attached.offset))
-        else:
-            assert hit is None or self.cache is not None
-            sharing = memory_only and hit is not None and len(hit.parts()) < MAX_PARTS
-            own = job.capacity - hit.tokens if sharing and hit is not None else job.capacity
-            nbytes = own * self.runner.kv_bytes_per_token
-            if not self.memory.reserve(nbytes, cancel):
-                self._unpin(hit)
-                emit(Finished("abort", 0))
-                return False
-            kv = self.runner.new_kv(own)
-            if sharing and hit is not None:
-                shared = tuple(hit.parts())
-        # the hit a sharing request reads stays pinned until it finishes
-        reading = hit if shared and attached is None else None
+        buffer = self._acquire(job, hit, cancel)
+        if buffer is None:
+            emit(Finished("abort", 0))
+            return False
+        kv, nbytes, attached, reading = buffer.kv, buffer.nbytes, buffer.attached, buffer.reading
         runs: list[CachedRun] = [attached] if attached is not None else []
         handed = False
         try:
             # the last prompt token is always recomputed: its logits give the first output token
             keys = self.contexts.keys(job.prompt_ids[:-1], job.key_space) if job.kv is not None else []
-            load = self._load_prefix(job, keys, LoopTarget(kv, self.loop, cancel), cancel, hit, attached, shared)
+            target = LoopTarget(kv, self.loop, cancel)
+            load = self._load_prefix(job, keys, target, cancel, hit, in_place=buffer.in_place)
             budget = job.kv.budget_s if job.kv is not None else None
             cached = load.stored_tokens + load.memory_tokens
             report = PrefixReport(
@@ -145,7 +143,7 @@ class RequestExecutor:
                 cancel,
                 on_prefilled=lambda g: self._prefilled(g, keys, load, runs, nbytes, reading),
                 on_finished=lambda g: self._finished(g, runs, nbytes, reading),
-                shared=shared,
+                shared=buffer.shared,
             )
             self.loop.submit(generation)
             handed = True
@@ -163,6 +161,26 @@ class RequestExecutor:
         if load.stored_tokens:
             self.contexts.touch(keys[0])
         return handed
+
+    def _acquire(self, job: GenerationJob, hit: Hit | None, cancel: threading.Event) -> _Buffer | None:
+        """The request's KV buffer. An unused cached buffer with room for the whole request is
+        taken over; otherwise a hit from memory alone is shared, and the new buffer holds only the
+        tokens after it; otherwise the buffer holds the whole request. None: cancelled while
+        waiting for KV memory (the hit is then unpinned)."""
+        memory_only = hit is not None and self._memory_suffices(job, hit)
+        attached = self._take(job, hit, memory_only)
+        if attached is not None:
+            shared = tuple(parts(attached.parent, attached.offset)) if attached.parent is not None else ()
+            return _Buffer(attached.kv, attached.nbytes, shared, attached=attached)
+        share = hit is not None and memory_only and len(hit.parts()) < MAX_PARTS
+        tokens = job.capacity - hit.tokens if share and hit is not None else job.capacity
+        nbytes = tokens * self.runner.kv_bytes_per_token
+        if not self.memory.reserve(nbytes, cancel):
+            self._unpin(hit)
+            return None
+        if share and hit is not None:
+            return _Buffer(self.runner.new_kv(tokens), nbytes, tuple(hit.parts()), reading=hit)
+        return _Buffer(self.runner.new_kv(tokens), nbytes)
 
     def _memory_suffices(self, job: GenerationJob, hit: Hit) -> bool:
         """Whether the store could not add a chunk to what memory holds of the prompt."""
@@ -197,13 +215,12 @@ class RequestExecutor:
         target: LoopTarget,
         cancel: threading.Event,
         hit: Hit | None,
-        attached: CachedRun | None,
-        shared: tuple[torch.Tensor, ...],
+        in_place: bool,
     ) -> PrefixLoad:
-        """Memory first, then the store when it holds at least a chunk more than memory."""
+        """Memory first, then the store when it holds at least a chunk more than memory.
+        ``in_place``: the hit's KV is read where it lies (taken over or shared), not copied."""
         if job.kv is None:
             return PrefixLoad(kv=None)
-        in_place = attached is not None or bool(shared)  # the hit's KV is read where it lies
         if hit is not None and self._memory_suffices(job, hit):
             return self._from_memory(hit, target.kv, in_place)
         load = self._load_stored(job, keys, target, cancel)
