@@ -26,8 +26,8 @@ and no copy. A sequence may also read KV it does not own (``Segment.shared``): t
 leading tokens of another request's buffer, attached from the in-memory
 prefix cache instead of copied. Its own buffer then starts at the end of
 those parts (``Segment.offset``), and its tokens attend to the shared parts
-and to its own buffer in one softmax (``_attend_parts``): nothing is copied
-or concatenated, and the shared tokens are never written.
+and to its own buffer, merged by their log-sum-exps (``_attend_parts``):
+nothing is copied or concatenated, and the shared tokens are never written.
 
 Outside ``active``, the function is plain causal attention over
 whatever cache the caller passed (offline tools, single-sequence passes), with
@@ -218,11 +218,43 @@ def _attend_parts(query: torch.Tensor, parts: list[torch.Tensor], scale: float |
     """Causal attention of ``query`` (q_heads, tokens, dim), the sequence's last tokens, over its
     KV in ``parts`` (each (2, kv_heads, tokens, dim), the last one ending with the query's own).
 
-    The parts' scores are laid side by side and normalised by one softmax, so the result is the
-    attention over their concatenation, without concatenating them. Query heads are grouped by
-    their KV head, as in ``_one_query``: no key is repeated. Only the last part needs a mask (the
-    earlier ones end before the first query).
+    Each part is attended on its own and the results are merged by their log-sum-exps, which
+    gives the attention over the parts' concatenation without concatenating them. Query heads
+    are grouped by their KV head, as in ``_one_query``, so no key is repeated; only the last part
+    needs a mask (the earlier ones end before the first query). On a CPU each part goes to
+    torch's fused flash kernel, which returns its log-sum-exp (2 cores, 32 queries over 3.6K
+    shared keys: 2.6-3.0 ms a layer, against 3.1-3.7 ms for SDPA over one contiguous buffer and
+    5.7-8.9 ms for one softmax over the parts' scores laid side by side); elsewhere the scores
+    are laid side by side (``_attend_parts_matmul``).
     """
+    if query.device.type != "cpu":
+        return _attend_parts_matmul(query, parts, scale)
+    heads, n, dim = query.shape
+    kv_heads = parts[0].shape[1]
+    grouped = query.reshape(1, kv_heads, -1, dim)  # a KV head's query rows: n per query head
+    outs, lses = [], []
+    for i, part in enumerate(parts):
+        mask = None
+        if i == len(parts) - 1 and n > 1:
+            keys = part.shape[2]
+            rows = torch.arange(n, device=query.device).repeat(heads // kv_heads) + (keys - n)
+            hidden = torch.arange(keys, device=query.device)[None, :] > rows[:, None]
+            mask = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device)
+            mask.masked_fill_(hidden, float("-inf"))
+        out, lse = _flash_cpu(grouped, part[0][None], part[1][None], attn_mask=mask, scale=scale)
+        outs.append(out)
+        lses.append(lse.unsqueeze(-1))
+    top = torch.stack(lses).amax(dim=0)
+    weights = [torch.exp(lse - top) for lse in lses]
+    merged = sum(w * out for w, out in zip(weights, outs)) / sum(weights)
+    return merged.reshape(heads, n, dim)
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _attend_parts_matmul(query: torch.Tensor, parts: list[torch.Tensor], scale: float | None) -> torch.Tensor:
+    """``_attend_parts`` by plain matmuls: the parts' scores side by side, one softmax."""
     heads, n, dim = query.shape
     kv_heads = parts[0].shape[1]
     grouped = query.reshape(kv_heads, -1, dim)  # (kv_heads, group * n, dim), a head's n rows in a row
