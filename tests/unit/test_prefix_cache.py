@@ -188,12 +188,17 @@ def test_a_request_on_a_run_in_use_shares_it_and_its_run_continues_the_parent():
     assert c.take(deeper, capacity=140) is None  # still its request's
 
 
+def shared_finished_parent(c: PrefixCache, ids: list[int], question: list[int]):
+    """A finished run of ``ids`` (100 bytes), and a request on ``ids + question`` sharing it (30)."""
+    parent = finished(c, ids, nbytes=100)
+    hit = c.lookup(ids + question, PUBLIC)
+    return parent, hit, share(c, hit, ids + question, nbytes=30)
+
+
 def test_a_parent_outlives_its_readers_and_children():
     c = cache()
     ids = list(range(64))
-    parent = finished(c, ids, nbytes=100)
-    hit = c.lookup(ids + [9] * 20, PUBLIC)
-    child = share(c, hit, ids + [9] * 20, nbytes=30)
+    parent, hit, child = shared_finished_parent(c, ids, [9] * 20)
     assert c.release(child, ids + [9] * 20, PUBLIC) == 0  # kept: it adds a block
     assert c.unpin(hit) == 0  # the request is done; the child still pins its parent
     assert parent.pins == 1
@@ -217,9 +222,7 @@ def test_a_run_dropped_while_read_is_freed_by_its_last_reader():
 def test_a_failed_child_gives_back_its_own_buffer_and_its_pin():
     c = cache()
     ids = list(range(48))
-    parent = finished(c, ids, nbytes=100)
-    hit = c.lookup(ids + [3] * 16, PUBLIC)
-    child = share(c, hit, ids + [3] * 16, nbytes=30)
+    parent, hit, child = shared_finished_parent(c, ids, [3] * 16)
     assert c.release(child, None, PUBLIC) == 30  # a failed request: never kept
     assert c.unpin(hit) == 0 and parent.pins == 0
     assert c.lookup(ids + [3] * 16, PUBLIC).run is parent
