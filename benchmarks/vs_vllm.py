@@ -18,7 +18,8 @@ Workloads (streamed chat completions, greedy, measured at the client):
   question (vLLM has nothing to load after a restart: it prefills again);
 * ``tpot_ms``: time per output token at 1 client, 64 tokens;
 * ``tokens_per_s``: 1, 8 and 16 clients, distinct short prompts, 64 tokens
-  each with ``ignore_eos``, ``--duration`` seconds each (closed loop);
+  each with ``ignore_eos``, ``--duration`` seconds each (closed loop), counting
+  the tokens streamed inside the window;
 * ``peak_rss_gb``: the server's peak RSS (VmHWM summed over its process tree).
 
     python -m benchmarks.vs_vllm                      # fp32, 45 s a point
@@ -123,8 +124,11 @@ def peak_rss_gb(pid: int) -> float:
     return round(total / 2**30, 2)
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int, **extra):
-    """(TTFT seconds, completion tokens, end-to-end seconds) of one streamed chat completion."""
+async def _stream(
+    client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int, **extra
+) -> tuple[float, list[float], int]:
+    """One streamed chat completion: (start time, arrival time of each content chunk, completion
+    tokens), times from ``time.perf_counter``."""
     body = {
         "model": DEFAULT_MODEL_NAME,
         "messages": messages,
@@ -135,7 +139,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict],
         **extra,
     }
     started = time.perf_counter()
-    first = None
+    arrivals: list[float] = []
     tokens = 0
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as r:
         r.raise_for_status()
@@ -143,15 +147,18 @@ async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict],
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if first is None and any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
-                first = time.perf_counter() - started
+            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                arrivals.append(time.perf_counter())
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-    return (
-        first if first is not None else time.perf_counter() - started,
-        tokens,
-        time.perf_counter() - started,
-    )
+    return started, arrivals, tokens
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int, **extra):
+    """(TTFT seconds, completion tokens, end-to-end seconds) of one streamed chat completion."""
+    started, arrivals, tokens = await _stream(client, url, messages, max_tokens, **extra)
+    ended = time.perf_counter()
+    return (arrivals[0] - started if arrivals else ended - started, tokens, ended - started)
 
 
 def context_messages(text: str, question: str) -> list[dict]:
@@ -190,11 +197,13 @@ async def throughput(url: str, clients: int, duration: float) -> float:
         async with httpx.AsyncClient() as client:
             while time.perf_counter() < deadline:
                 prompt = f"Client {i}, request {n}: write a short story about the number {i * 1000 + n}."
-                _, tokens, _ = await stream_chat(
+                _, arrivals, tokens = await _stream(
                     client, url, [{"role": "user", "content": prompt}], 64, ignore_eos=True
                 )
-                if time.perf_counter() <= deadline:
-                    counted += tokens
+                # the tokens streamed inside the window: a request cut by the deadline counts in
+                # part (counting whole requests only undercounts the most where each is slowest)
+                if arrivals:
+                    counted += tokens * sum(t <= deadline for t in arrivals) / len(arrivals)
                 n += 1
 
     started = time.perf_counter()
