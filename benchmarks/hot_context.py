@@ -30,9 +30,9 @@ from typing import Any
 
 import httpx
 
-import tests.gateway_process as gateway_process
 from benchmarks.vs_vllm import LICENCE, context_messages, stream_chat
 from engine.loading import DEFAULT_MODEL_NAME, convert_default_model, default_cache_dir
+from tests.gateway_process import GatewayProcess
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -42,7 +42,9 @@ QUESTIONS = [f"Question {i}: what does section {i} of this licence say?" for i i
 async def workload(url: str, text: str) -> dict[str, Any]:
     async with httpx.AsyncClient() as client:
         cold = (await stream_chat(client, url, context_messages(text, "What is this licence about?"), 8))[0]
-        one_by_one = [(await stream_chat(client, url, context_messages(text, q), 8))[0] for q in QUESTIONS[:4]]
+        one_by_one = [
+            (await stream_chat(client, url, context_messages(text, q), 8))[0] for q in QUESTIONS[:4]
+        ]
         together = await asyncio.gather(
             *(stream_chat(client, url, context_messages(text, q), 8) for q in QUESTIONS[4:])
         )
@@ -54,11 +56,10 @@ async def workload(url: str, text: str) -> dict[str, Any]:
 
 
 def run_side(repo: Path, model: Path, text: str, root: Path, name: str) -> dict[str, Any]:
-    gateway_process.REPO = repo  # the gateway process runs from that checkout
     env = {"CACHEGEN_MODEL": str(model), "CACHEGEN_SERVED_MODEL_NAME": DEFAULT_MODEL_NAME,
            "CACHEGEN_STORE": f"file://{root / name / 'store'}"}  # fmt: skip
     (root / name).mkdir(parents=True, exist_ok=True)
-    with gateway_process.GatewayProcess(env, root / name / "gateway.log") as g:
+    with GatewayProcess(env, root / name / "gateway.log", repo=repo) as g:
         return asyncio.run(workload(g.url, text))
 
 

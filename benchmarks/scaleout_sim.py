@@ -115,7 +115,7 @@ class Job:
     @property
     def batched(self) -> bool:
         """In the model's ragged step: decoding, or prefilling the question after a memory hit
-        (its context's KV is copied in, so the step holds only the question's tokens)."""
+        (its context's KV is attached, so the step holds only the question's tokens)."""
         return self.phase == "decode" or (self.phase == "prompt" and self.hot)
 
 
@@ -126,14 +126,14 @@ class Replica:
     cpu: list[Job] = field(default_factory=list)
     in_flight: int = 0
 
-    def speed(self, job: Job, beta: float) -> float:
-        """How fast ``job`` runs against its solo speed. The replica's core is shared, in equal
-        parts, by each prompt in progress (a prefill or a decode of fetched chunks: work that does
-        not batch) and by the decode batch as a whole, whose step at batch n costs ``n**beta``
-        times a solo step."""
+    def speeds(self, beta: float) -> list[float]:
+        """How fast each job on the CPU runs against its solo speed. The replica's core is shared,
+        in equal parts, by each prompt in progress (a prefill or a decode of fetched chunks: work
+        that does not batch) and by the decode batch as a whole, whose step at batch n costs
+        ``n**beta`` times a solo step."""
         batched = sum(j.batched for j in self.cpu)
         shares = len(self.cpu) - batched + (1 if batched else 0)
-        return 1.0 / (shares * batched**beta) if job.batched else 1.0 / shares
+        return [1.0 / (shares * batched**beta) if j.batched else 1.0 / shares for j in self.cpu]
 
     def lookup(self, context: int) -> bool:
         if context in self.memory:
@@ -149,11 +149,12 @@ class Replica:
             return
         self.memory[context] = tokens
         self.memory.move_to_end(context)
+        held = sum(self.memory.values())
         for old in list(self.memory):
-            if sum(self.memory.values()) <= budget:
+            if held <= budget:
                 break
             if old not in in_use and old != context:
-                del self.memory[old]
+                held -= self.memory.pop(old)
 
 
 class Router:
@@ -227,15 +228,15 @@ def simulate(
         dt = math.inf
         for job in fetching:
             dt = min(dt, job.remaining / fetch_rate)
-        for rep in pool:
-            for j in rep.cpu:
-                dt = min(dt, j.remaining / rep.speed(j, costs.beta))
+        speeds = [rep.speeds(costs.beta) for rep in pool]
+        for rep, rep_speeds in zip(pool, speeds, strict=True):
+            for j, speed in zip(rep.cpu, rep_speeds, strict=True):
+                dt = min(dt, j.remaining / speed)
         now += dt
         for job in fetching:
             job.remaining -= dt * fetch_rate
-        for rep in pool:
-            speeds = [rep.speed(j, costs.beta) for j in rep.cpu]
-            for j, speed in zip(rep.cpu, speeds, strict=True):
+        for rep, rep_speeds in zip(pool, speeds, strict=True):
+            for j, speed in zip(rep.cpu, rep_speeds, strict=True):
                 j.remaining -= dt * speed
         eps = 1e-12
         for job in [f for f in fetching if f.remaining <= eps]:

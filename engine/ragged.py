@@ -44,6 +44,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +69,7 @@ class Segment:
     def end(self) -> int:
         return self.start + len(self.token_ids)
 
-    @property
+    @cached_property
     def offset(self) -> int:
         """The position of ``kv``'s first token: how many tokens the shared parts hold."""
         return sum(part.shape[3] for part in self.shared)
@@ -236,11 +237,7 @@ def _attend_parts(query: torch.Tensor, parts: list[torch.Tensor], scale: float |
     for i, part in enumerate(parts):
         mask = None
         if i == len(parts) - 1 and n > 1:
-            keys = part.shape[2]
-            rows = torch.arange(n, device=query.device).repeat(heads // kv_heads) + (keys - n)
-            hidden = torch.arange(keys, device=query.device)[None, :] > rows[:, None]
-            mask = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device)
-            mask.masked_fill_(hidden, float("-inf"))
+            mask = _grouped_causal_mask(n, part.shape[2], heads // kv_heads, query.dtype, query.device)
         out, lse = _flash_cpu(grouped, part[0][None], part[1][None], attn_mask=mask, scale=scale)
         outs.append(out)
         lses.append(lse.unsqueeze(-1))
@@ -251,6 +248,17 @@ def _attend_parts(query: torch.Tensor, parts: list[torch.Tensor], scale: float |
 
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@lru_cache(maxsize=64)  # the same for every layer of a step: made once, only ever read
+def _grouped_causal_mask(
+    queries: int, keys: int, group: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The additive mask of ``queries`` last tokens over ``keys`` keys that end with theirs, for
+    query rows grouped by KV head (``group`` heads of ``queries`` rows each)."""
+    rows = torch.arange(queries, device=device).repeat(group) + (keys - queries)
+    hidden = torch.arange(keys, device=device)[None, :] > rows[:, None]
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
 def _attend_parts_matmul(query: torch.Tensor, parts: list[torch.Tensor], scale: float | None) -> torch.Tensor:

@@ -172,15 +172,16 @@ class RequestExecutor:
         if attached is not None:
             shared = tuple(parts(attached.parent, attached.offset)) if attached.parent is not None else ()
             return _Buffer(attached.kv, attached.nbytes, shared, attached=attached)
-        share = hit is not None and memory_only and len(hit.parts()) < MAX_PARTS
-        tokens = job.capacity - hit.tokens if share and hit is not None else job.capacity
+        shared = tuple(hit.parts()) if hit is not None and memory_only else ()
+        reading = hit if 0 < len(shared) < MAX_PARTS else None
+        tokens = job.capacity - (reading.tokens if reading is not None else 0)
         nbytes = tokens * self.runner.kv_bytes_per_token
         if not self.memory.reserve(nbytes, cancel):
             self._unpin(hit)
             return None
-        if share and hit is not None:
-            return _Buffer(self.runner.new_kv(tokens), nbytes, tuple(hit.parts()), reading=hit)
-        return _Buffer(self.runner.new_kv(tokens), nbytes)
+        if reading is None:
+            return _Buffer(self.runner.new_kv(tokens), nbytes)
+        return _Buffer(self.runner.new_kv(tokens), nbytes, shared, reading=reading)
 
     def _memory_suffices(self, job: GenerationJob, hit: Hit) -> bool:
         """Whether the store could not add a chunk to what memory holds of the prompt."""

@@ -80,15 +80,18 @@ class ServerProcess:
 
 
 class GatewayProcess(ServerProcess):
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+    """``python -m app`` with ``env`` over the environment, run from the checkout ``repo``."""
+
+    def __init__(self, env: dict[str, str], log_path: Path, repo: Path = REPO) -> None:
         super().__init__(log_path)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        self.repo = repo
 
     def start(self, timeout: float = 240.0) -> GatewayProcess:
         self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(self.port)],
-            cwd=REPO,
+            cwd=self.repo,
             env=self.env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -91,8 +91,6 @@ def test_context_request_needs_exactly_one_source():
 
 
 def test_the_routers_default_fields_are_not_named_as_ignored():
-    from app.protocol import CompletionRequest
-
     routed = CompletionRequest(
         model="m", prompt="hi", no_stop_trim=False, skip_special_tokens=True, return_hidden_states=False
     )
