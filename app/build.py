@@ -152,6 +152,10 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
     metrics.running.set_function(lambda: loop.running)
     metrics.waiting.set_function(lambda: max(0, admission.admitted - loop.running))
     metrics.kv_memory_used.set_function(lambda: memory.used)
+    metrics.engine_steps.set_function(lambda: loop.stats.steps)
+    metrics.engine_busy.set_function(lambda: loop.stats.busy_s)
+    metrics.engine_decode_tokens.set_function(lambda: loop.stats.decode_tokens)
+    metrics.engine_prefill_tokens.set_function(lambda: loop.stats.prefill_tokens)
     metrics.kv_memory_budget.set(settings.kv_memory_bytes)
     metrics.replica.labels(settings.replica).set(1)
     if cache is not None:

@@ -123,6 +123,17 @@ class Metrics:
             "cachegen:kv_memory_budget_bytes", "The KV memory budget (CACHEGEN_KV_MEMORY_BYTES).", registry=r
         )
         self.waiting = Gauge("cachegen:num_requests_waiting", "Requests queued for the model.", registry=r)
+        # the step loop's own counts (scheduler/step_loop.py StepStats): mean batch and step time
+        self.engine_steps = Gauge("cachegen:engine_steps", "Model steps run.", registry=r)
+        self.engine_busy = Gauge(
+            "cachegen:engine_busy_seconds", "Seconds the model thread spent in forward passes.", registry=r
+        )
+        self.engine_decode_tokens = Gauge(
+            "cachegen:engine_decode_tokens", "Decode tokens the model steps ran.", registry=r
+        )
+        self.engine_prefill_tokens = Gauge(
+            "cachegen:engine_prefill_tokens", "Prefill tokens the model steps ran.", registry=r
+        )
         # the store's lifecycle (scheduler/lifecycle.py): garbage collection and the size cap
         self.store_bytes = Gauge(
             "cachegen:store_bytes", "Bytes in the KV store, as of the last collection.", registry=r

@@ -5,7 +5,7 @@ No I/O, no asyncio, no settings: callers hand in tensors and level objects.
 
 from codec.backends import Backend, NumbaBackend, backend_for, decode_chunks_into, decode_into
 from codec.chunk import decode_chunk, encode_chunk
-from codec.container import FORMAT_VERSION, max_chunk_bytes
+from codec.container import FORMAT_VERSION, max_chunk_bytes, raw_chunk_bytes
 from codec.errors import CodecError, ShapeMismatch, StreamError
 from codec.levels import (
     DEFAULT_LEVELS,
@@ -42,6 +42,7 @@ __all__ = [
     "level_digest",
     "load_level_table",
     "max_chunk_bytes",
+    "raw_chunk_bytes",
     "parse_chunk",
     "parse_chunks",
 ]

@@ -61,6 +61,13 @@ def max_chunk_bytes(shape: Shape) -> int:
     return OVERHEAD + 8 * layers * 2 * heads * tokens * dim + 16 * layers * 2 * heads * dim + (1 << 16)
 
 
+def raw_chunk_bytes(shape: Shape) -> int:
+    """The size of a lossless float32 chunk of ``shape``: what a chunk of any level takes at most
+    in practice (a lossy one is a fraction of it; ``max_chunk_bytes`` is the bound to refuse at)."""
+    layers, _, heads, tokens, dim = shape
+    return OVERHEAD + 4 * layers * 2 * heads * tokens * dim
+
+
 def pack(header: ChunkHeader, payload: bytes | memoryview) -> bytes:
     if header.payload_len != len(payload):
         raise ValueError("payload_len does not match the payload")

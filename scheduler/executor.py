@@ -2,7 +2,8 @@
 
 ``RequestExecutor.run`` runs on a prepare thread, never on the model thread:
 
-1. reserve the request's KV memory (``prompt + max_tokens`` tokens), waiting
+1. reserve the request's KV memory (``prompt + max_tokens`` tokens, and the
+   fetched chunks a load from the store may hold until it is done), waiting
    while the budget is full;
 2. find what the store holds of the prompt and load it into the request's KV
    buffer: fetches on the I/O pool, decoding here, and the adaptive plan's text
@@ -67,6 +68,7 @@ class _Buffer:
     shared: tuple[torch.Tensor, ...] = ()
     attached: CachedRun | None = None  # a cached run taken over, whose buffer ``kv`` is
     reading: Hit | None = None  # a hit shared: pinned until the request finishes
+    staging: int = 0  # KV memory reserved for the load's fetched chunks, released after the load
 
     @property
     def in_place(self) -> bool:
@@ -115,10 +117,13 @@ class RequestExecutor:
         runs: list[CachedRun] = [attached] if attached is not None else []
         handed = False
         try:
-            # the last prompt token is always recomputed: its logits give the first output token
-            keys = self.contexts.keys(job.prompt_ids[:-1], job.key_space) if job.kv is not None else []
-            target = LoopTarget(kv, self.loop, cancel)
-            load = self._load_prefix(job, keys, target, cancel, hit, in_place=buffer.in_place)
+            try:
+                # the last prompt token is always recomputed: its logits give the first output token
+                keys = self.contexts.keys(job.prompt_ids[:-1], job.key_space) if job.kv is not None else []
+                target = LoopTarget(kv, self.loop, cancel)
+                load = self._load_prefix(job, keys, target, cancel, hit, buffer)
+            finally:
+                self.memory.release(buffer.staging)
             budget = job.kv.budget_s if job.kv is not None else None
             cached = load.stored_tokens + load.memory_tokens
             report = PrefixReport(
@@ -168,20 +173,31 @@ class RequestExecutor:
         tokens after it; otherwise the buffer holds the whole request. None: cancelled while
         waiting for KV memory (the hit is then unpinned)."""
         memory_only = hit is not None and self._memory_suffices(job, hit)
+        staging = self._staging_bytes(job, memory_only)
         attached = self._take(job, hit, memory_only)
         if attached is not None:
             shared = tuple(parts(attached.parent, attached.offset)) if attached.parent is not None else ()
-            return _Buffer(attached.kv, attached.nbytes, shared, attached=attached)
+            # holding the taken buffer, a blocking wait could deadlock: without the staging
+            # memory the load fetches one chunk at a time
+            staging = staging if staging and self.memory.try_reserve(staging) else 0
+            return _Buffer(attached.kv, attached.nbytes, shared, attached=attached, staging=staging)
         shared = tuple(hit.parts()) if hit is not None and memory_only else ()
         reading = hit if 0 < len(shared) < MAX_PARTS else None
         tokens = job.capacity - (reading.tokens if reading is not None else 0)
         nbytes = tokens * self.runner.kv_bytes_per_token
-        if not self.memory.reserve(nbytes, cancel):
+        staging = min(staging, self.memory.budget - nbytes)  # never what makes a request too large
+        if not self.memory.reserve(nbytes + staging, cancel):
             self._unpin(hit)
             return None
-        if reading is None:
-            return _Buffer(self.runner.new_kv(tokens), nbytes)
-        return _Buffer(self.runner.new_kv(tokens), nbytes, shared, reading=reading)
+        kv = self.runner.new_kv(tokens)
+        return _Buffer(kv, nbytes, shared, reading=reading, staging=staging)
+
+    def _staging_bytes(self, job: GenerationJob, memory_only: bool) -> int:
+        """KV memory for the chunks a load from the store holds at once; 0 when none can run."""
+        chunk = self.contexts.chunk_size
+        if job.kv is None or memory_only or len(job.prompt_ids) - 1 < chunk:
+            return 0
+        return self.loader.staging_bytes(chunk)
 
     def _memory_suffices(self, job: GenerationJob, hit: Hit) -> bool:
         """Whether the store could not add a chunk to what memory holds of the prompt."""
@@ -216,17 +232,18 @@ class RequestExecutor:
         target: LoopTarget,
         cancel: threading.Event,
         hit: Hit | None,
-        in_place: bool,
+        buffer: _Buffer,
     ) -> PrefixLoad:
         """Memory first, then the store when it holds at least a chunk more than memory.
-        ``in_place``: the hit's KV is read where it lies (taken over or shared), not copied."""
+        When ``buffer`` is in place, the hit's KV is read where it lies (taken over or shared),
+        not copied."""
         if job.kv is None:
             return PrefixLoad(kv=None)
         if hit is not None and self._memory_suffices(job, hit):
-            return self._from_memory(hit, target.kv, in_place)
-        load = self._load_stored(job, keys, target, cancel)
+            return self._from_memory(hit, target.kv, buffer.in_place)
+        load = self._load_stored(job, keys, target, cancel, buffer.staging)
         if hit is not None and hit.tokens + self.contexts.chunk_size > load.tokens:
-            memory = self._from_memory(hit, target.kv, in_place)  # over what the store wrote
+            memory = self._from_memory(hit, target.kv, buffer.in_place)  # over what the store wrote
             memory.faults = load.faults
             return memory
         return load
@@ -250,7 +267,7 @@ class RequestExecutor:
         )
 
     def _load_stored(
-        self, job: GenerationJob, keys: list[str], target: LoopTarget, cancel: threading.Event
+        self, job: GenerationJob, keys: list[str], target: LoopTarget, cancel: threading.Event, staging: int
     ) -> PrefixLoad:
         assert job.kv is not None
         stored = StoredPrefix()
@@ -274,6 +291,7 @@ class RequestExecutor:
             job.admitted,
             cancel,
             job.capacity,
+            staging,
         )
         used = {c.index for c in load.chunks if c.source == "store"}
         load.distortion = max(

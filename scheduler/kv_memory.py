@@ -7,6 +7,10 @@ fit waits (first come, first served, so a large request is not starved by
 small ones) until enough is released, or until its request is cancelled.
 Reserving more than the whole budget fails at once: it could never fit.
 
+A load from the store also reserves, for as long as it runs, the fetched chunks it may
+hold at once (``PrefixLoader.staging_bytes``): on a fast store they were the largest
+memory outside the budget.
+
 Finished requests' buffers may stay reserved as cached KV
 (``scheduler/prefix_cache.py``): ``reclaim`` is asked to free some of them
 before a reservation waits, so cached KV never makes a request wait.
@@ -68,6 +72,18 @@ class KVMemory:
             finally:
                 self._queue.remove(ticket)
                 self._cond.notify_all()
+
+    def try_reserve(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` only if they fit now and nobody waits first; never blocks."""
+        with self._cond:
+            if self._queue or nbytes > self.budget:
+                return False
+            if self._used + nbytes > self.budget and self.reclaim is not None:
+                self._used -= self.reclaim(self._used + nbytes - self.budget)
+            if self._used + nbytes > self.budget:
+                return False
+            self._used += nbytes
+            return True
 
     def release(self, nbytes: int) -> None:
         with self._cond:

@@ -37,6 +37,7 @@ from codec import (
     level_digest,
     max_chunk_bytes,
     parse_chunk,
+    raw_chunk_bytes,
 )
 from scheduler.bandwidth import BandwidthEstimator
 from scheduler.geometry import KVGeometry
@@ -99,11 +100,26 @@ class PrefixLoader:
         started: float,
         cancel: threading.Event | None = None,
         capacity: int | None = None,
+        staging_bytes: int | None = None,
     ) -> PrefixLoad:
         """Load ``stored`` into a new KV buffer of ``capacity`` tokens (default: the prefix's):
-        size it for the whole request, and the model's cache grows inside it."""
+        size it for the whole request, and the model's cache grows inside it.
+
+        ``staging_bytes`` (default: ``staging_bytes`` of the longest chunk; what the caller reserved
+        for it) bounds the fetched bytes held at once. One chunk is always fetched, so 0 means one
+        at a time."""
         run = _LoadRun(self, target, stored, token_ids, request, prompt_tokens, started)
+        if staging_bytes is None:
+            staging_bytes = self.staging_bytes(max((c.tokens for c in stored.chunks), default=0))
+        run.staging_bytes = staging_bytes
         return run.execute(cancel or threading.Event(), capacity)
+
+    def staging_bytes(self, chunk_tokens: int) -> int:
+        """The most fetched bytes one load of ``chunk_tokens``-token chunks holds at once (in flight,
+        arrived, being decoded): the window and the chunk being decoded, each as large as a
+        lossless float32 chunk. A fast store finishes fetches before the decoder gets to them, and counting
+        only transfers in flight let one load hold its whole prefix's chunks (issue 19, finding 6)."""
+        return (self.window + 1) * raw_chunk_bytes(self.geometry.chunk_shape(chunk_tokens))
 
     def observe_outcome(self, planned_s: float | None, actual_s: float) -> None:
         """How long a planned request really took: plans after it allow for the difference."""
@@ -154,6 +170,8 @@ class _LoadRun:
         n = len(self.chunks)
         self.sources: list[str | None] = [request.levels[0].name] * n if request.fixed else [None] * n
         self.pending: dict[int, Future[_Fetched]] = {}
+        self.staging_bytes = 0  # set by ``PrefixLoader.load``
+        self.decoding_bytes = 0  # of fetched chunks taken out of ``pending`` and not yet decoded
         self.committed = 0  # chunks [0, committed) have a final source (fetch issued, or text)
         # the link rate when text was last planned: each plan puts its text chunks first among
         # the chunks left, so re-planning with text allowed every time stacks text chunk on text
@@ -268,7 +286,8 @@ class _LoadRun:
 
     def _issue(self, current: int, ahead_bytes: float = 0.0) -> None:
         """Commit chunks in order, fetching store chunks: at least ``window`` transfers in flight,
-        and at least ``ahead_bytes`` fetched or in flight beyond what the model has consumed.
+        and at least ``ahead_bytes`` fetched or in flight beyond what the model has consumed, as
+        far as ``staging_bytes`` allows.
 
         Text chunks commit as soon as the pointer reaches them: the planner puts them first, so
         that later chunks are on the link while the model recomputes them.
@@ -284,10 +303,17 @@ class _LoadRun:
                 if in_flight >= window and queued >= ahead_bytes:
                     return
                 chunk = self.chunks[self.committed]
+                if self._staged() and self._staged() + chunk.sizes[source] > self.staging_bytes:
+                    return
                 self.pending[self.committed] = self.loader.pool.submit(
                     self.loader.fetch, chunk, self.by_name[source]
                 )
             self.committed += 1
+
+    def _staged(self) -> int:
+        """Fetched bytes this load holds or has asked for: in flight, arrived, being decoded."""
+        sizes = sum(self.chunks[j].sizes[self.sources[j]] for j in self.pending)  # type: ignore[index]
+        return sizes + self.decoding_bytes
 
     # -- execution ----------------------------------------------------------------------------
 
@@ -325,10 +351,14 @@ class _LoadRun:
             return 0, False
         idle = time.perf_counter() - waited
         fetched += self._arrived(i + 1)
+        self.decoding_bytes = sum(len(f.data) for f in fetched)
         self._advance(i + len(fetched))  # the link is free for the next fetches while these decode
         t = time.perf_counter()
-        with self.loader.codec_gate:
-            decoded, fault = self._decode(i, fetched, kv)
+        try:
+            with self.loader.codec_gate:
+                decoded, fault = self._decode(i, fetched, kv)
+        finally:
+            self.decoding_bytes = 0
         seconds = time.perf_counter() - t
         if fault:
             self.result.faults.append(fault)

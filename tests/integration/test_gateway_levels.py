@@ -58,6 +58,14 @@ def test_each_level_is_stored_and_served(gateway, ids):
     auto = complete(gateway.url, ids)["kv_cache_info"]
     assert auto["cached_tokens"] == 512
     assert {c["level"] for c in auto["chunks"]} <= {"lossless", "high", "medium"}
+    # each load reserved its fetched chunks' memory with its KV (no prefix cache here): all of it is
+    # given back once the requests are done
+    assert kv_memory_used(gateway.url) == 0
+
+
+def kv_memory_used(url: str) -> float:
+    line = next(x for x in httpx.get(f"{url}/metrics").text.splitlines() if x.startswith("cachegen:kv_memory_used_bytes "))
+    return float(line.split()[-1])
 
 
 def test_auto_respects_the_quality_floor_unless_given_a_budget(gateway, ids):

@@ -1,9 +1,9 @@
 """The loader decodes the store chunks that have arrived in one batch, straight into the KV buffer.
 
 Fetches run on a pool that completes them at once, so every chunk's bytes
-are there when the loader gets to the first one: one decode takes them all
-(up to MAX_BATCH), and faults inside a batch still end the prefix at the
-chunk before the bad one.
+are there when the loader gets to the first one: one decode takes all that
+the load's staging memory holds (up to MAX_BATCH), and faults inside a batch
+still end the prefix at the chunk before the bad one.
 """
 
 from __future__ import annotations
@@ -82,12 +82,22 @@ def stored(store, contexts, tokens, level: Level):
     return find_stored_prefix(store, contexts.fingerprint, CHUNK, contexts.keys(tokens), tokens, [level])
 
 
-def load(store, contexts, tokens, level: Level, profile: CostProfile | None = None):
+def load(
+    store,
+    contexts,
+    tokens,
+    level: Level,
+    profile: CostProfile | None = None,
+    staging_bytes: int | None = None,
+    codec_gate=None,
+):
     profile = profile or CostProfile({"lossless": 1e-6, "medium": 3e-6}, 0.0, 1e-3, 0.0)
-    loader = PrefixLoader(store, GEOMETRY, ImmediatePool(), profile)  # type: ignore[arg-type]
+    loader = PrefixLoader(store, GEOMETRY, ImmediatePool(), profile, codec_gate=codec_gate)  # type: ignore[arg-type]
     request = KVRequest([level], {level.name: 0.0}, fixed=True)
     prefix = stored(store, contexts, tokens, level)
-    return loader.load(Buffer(), prefix, tokens, request, len(tokens) + 1, time.perf_counter())
+    return loader.load(
+        Buffer(), prefix, tokens, request, len(tokens) + 1, time.perf_counter(), staging_bytes=staging_bytes
+    )
 
 
 def chunk_key(store, contexts, tokens, index: int, level: Level) -> str:
@@ -101,11 +111,17 @@ def expected_kv(store, contexts, tokens, level: Level, chunks: int = 6) -> torch
     return torch.cat([decode_chunk(store.get(k)) for k in keys], 3)
 
 
-@pytest.mark.parametrize("level", [LOSSLESS, MEDIUM], ids=["lossless", "medium"])
-def test_arrived_chunks_decode_in_one_batch_into_the_buffer(saved, batches, level: Level) -> None:
+@pytest.mark.parametrize(
+    "level, expected",
+    # a medium chunk is a fraction of a raw one, so all 6 (5 chunks and the tail) fit the staging
+    # memory of 3 raw chunks; lossless chunks are raw, 3 at a time
+    [(LOSSLESS, [3, 3]), (MEDIUM, [6])],
+    ids=["lossless", "medium"],
+)
+def test_arrived_chunks_decode_in_one_batch_into_the_buffer(saved, batches, level: Level, expected) -> None:
     store, contexts, tokens = saved
     result = load(store, contexts, tokens, level)
-    assert batches == [6] and MAX_BATCH >= 6  # 5 chunks and the tail
+    assert batches == expected and MAX_BATCH >= 6
     assert result.tokens == len(tokens) and result.faults == []
     assert [c.index for c in result.chunks] == list(range(6)) and [c.tokens for c in result.chunks][-1] == 3
     assert torch.equal(result.kv, expected_kv(store, contexts, tokens, level))
@@ -173,3 +189,48 @@ def test_a_missing_object_after_a_batch(saved, batches) -> None:
     store.delete(chunk_key(store, contexts, tokens, 4, MEDIUM))
     result = load(store, contexts, tokens, MEDIUM)
     assert result.tokens == 4 * CHUNK and result.faults == ["object_missing"] and batches == [4]
+
+
+class CountingStore:
+    """The store, counting the bytes fetched."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.fetched = 0
+
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        data = self.store.get(key) if limit is None else self.store.get(key, limit=limit)
+        self.fetched += len(data)
+        return data
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+
+@pytest.mark.parametrize("staging", [None, 0], ids=["default", "none reserved"])
+def test_a_load_holds_no_more_fetched_bytes_than_its_staging_memory(saved, batches, staging) -> None:
+    """On a store that answers at once, fetches used to run ahead of the decoder without limit:
+    a load held every chunk of its prefix. Now the bytes fetched and not yet decoded stay within
+    the staging memory the request reserved, or one chunk when it reserved none."""
+    store, contexts, tokens = saved
+    counting = CountingStore(store)
+    fetched_at: list[int] = []
+
+    class Gate:  # entered around each decode: what is held then is the most the load holds
+        def __enter__(self):
+            fetched_at.append(counting.fetched)
+
+        def __exit__(self, *exc):
+            return False
+
+    loader = PrefixLoader(counting, GEOMETRY, ImmediatePool(), CostProfile({"lossless": 1e-6}, 0.0, 1e-3, 0.0))  # type: ignore[arg-type]
+    cap = loader.staging_bytes(CHUNK) if staging is None else staging
+    chunk_bytes = len(store.get(chunk_key(store, contexts, tokens, 0, LOSSLESS)))
+    assert 2 * chunk_bytes < loader.staging_bytes(CHUNK) < 6 * chunk_bytes  # the old rule held all 6
+    result = load(counting, contexts, tokens, LOSSLESS, staging_bytes=staging, codec_gate=Gate())
+    assert result.tokens == len(tokens) and torch.equal(result.kv, expected_kv(store, contexts, tokens, LOSSLESS))
+    sizes = [c.bytes for c in result.chunks]
+    starts = [sum(batches[:k]) for k in range(len(batches))]  # the first chunk of each batch
+    held = [fetched - sum(sizes[:start]) for fetched, start in zip(fetched_at, starts, strict=True)]
+    assert held and max(held) <= max(cap, chunk_bytes)
+    assert len(batches) == (6 if staging == 0 else 2)

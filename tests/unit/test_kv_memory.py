@@ -74,3 +74,23 @@ def test_a_cancelled_reservation_holds_nothing_and_unblocks_the_queue():
     waiter.join(5)
     assert result == [False]
     assert memory.waiting == 0 and memory.used == 100
+
+
+def test_try_reserve_takes_only_what_fits_now_and_never_jumps_the_queue():
+    memory = KVMemory(100)
+    assert memory.try_reserve(70) and not memory.try_reserve(40) and memory.used == 70
+    waiter = threading.Thread(target=memory.reserve, args=(50,))
+    waiter.start()
+    while not memory.waiting:
+        time.sleep(0.01)
+    assert not memory.try_reserve(10)  # it would fit, but a reservation waits first
+    memory.release(70)
+    waiter.join(5)
+    assert memory.used == 50 and memory.try_reserve(50) and memory.used == 100
+
+
+def test_try_reserve_reclaims_cached_memory():
+    freed = []
+    memory = KVMemory(100, reclaim=lambda n: freed.append(n) or n)
+    assert memory.reserve(90) and memory.try_reserve(30)
+    assert freed == [20] and memory.used == 100
