@@ -105,7 +105,7 @@ def passkey_task(runner: ModelRunner, target_tokens: int, seed: int) -> PassKeyT
 def passkey_answer(
     runner: ModelRunner, task: PassKeyTask, context_kv: torch.Tensor, max_new_tokens: int = 8
 ) -> bool:
-    state = runner.prefill(task.question_ids, context_kv)
+    state = runner.prefill(task.question_ids, context_kv, room=max_new_tokens)
     tokens = [
         item[0] if isinstance(item, tuple) else item  # decode may yield (token, logits)
         for item in runner.decode(state, SamplingParams(temperature=0.0), max_new_tokens)
@@ -130,15 +130,17 @@ def query_channel_rms(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
     config = model.config
     heads = config.num_attention_heads
     kv_heads, dim = runner.num_kv_heads, runner.head_dim
-    energy: list[torch.Tensor | None] = [None] * runner.num_layers
+    # per layer: the queries' squared values summed over tokens, and how many tokens (the prefill
+    # runs in passes, each a call of the hook)
+    sums: list[torch.Tensor | None] = [None] * runner.num_layers
+    counts = [0] * runner.num_layers
 
     def hook(index: int):
         def record(_module, _inputs, output):
             q = output[0].float().reshape(-1, heads, dim)
-            e = q.square().mean(0).reshape(kv_heads, heads // kv_heads, dim).sum(1)
-            half = dim // 2
-            pair = 0.5 * (e[:, :half] + e[:, half:])
-            energy[index] = torch.cat([pair, pair], dim=1).cpu()
+            total = q.square().sum(0)
+            sums[index] = total if sums[index] is None else sums[index] + total
+            counts[index] += q.shape[0]
 
         return record
 
@@ -150,4 +152,11 @@ def query_channel_rms(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
     finally:
         for h in handles:
             h.remove()
-    return torch.stack([e for e in energy if e is not None]).sqrt().numpy().astype(np.float64)
+    energy = []
+    half = dim // 2
+    for total, count in zip(sums, counts, strict=True):
+        assert total is not None, "a layer's queries were not seen"
+        e = (total / count).reshape(kv_heads, heads // kv_heads, dim).sum(1)
+        pair = 0.5 * (e[:, :half] + e[:, half:])
+        energy.append(torch.cat([pair, pair], dim=1).cpu())
+    return torch.stack(energy).sqrt().numpy().astype(np.float64)

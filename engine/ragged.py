@@ -173,7 +173,7 @@ def ragged_attention(
     (1, kv_heads, tokens, dim) after rotary; returns (1, tokens, q_heads, dim)."""
     batch = getattr(_state, "batch", None)
     if batch is None:
-        return _causal(query, key, value, scaling), None
+        raise RuntimeError("ragged attention runs only inside engine.ragged.active (ModelRunner.forward_ragged)")
     alone, decodes = batch
     layer = module.layer_idx
     out = torch.empty_like(query)

@@ -1,9 +1,14 @@
-"""Prefill on top of explicit KV tensors, and token-by-token decoding.
+"""The model's one forward path, and what is built on it: prefill into KV buffers, and decoding.
 
 KV tensors cross this boundary in one layout, shared with the codec:
 ``(layers, 2, kv_heads, tokens, head_dim)``, keys at index 0 of axis 1, on the
 model's device and in its dtype. Keys are stored after rotary embedding, so a
 prefix cache is only valid at the positions it was computed at (position 0 on).
+
+Every pass runs ``forward_ragged`` (``engine.ragged``): serving's step loop,
+and here, for the cost profile, calibration and the quality tools, ``prefill``
+and ``decode`` over one sequence. So what the planner's profile times and what
+the quality figures measure is the path that serves.
 """
 
 from __future__ import annotations
@@ -12,20 +17,27 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from engine.kv_buffer import BufferLayer
 from engine.loading import LoadedModel
 from engine.ragged import ATTENTION_NAME, Segment, active, check_supported
 from engine.sampling import SamplingParams, make_generator, sample_next
 
+# The most tokens ``prefill`` puts in one pass: what the step loop prefills at most in a step
+# (scheduler.step_loop.IDLE_PREFILL_TOKENS), so that a profile of it times serving's passes.
+PREFILL_PASS_TOKENS = 512
+
 
 @dataclass
 class PrefillResult:
-    cache: DynamicCache
+    kv: torch.Tensor  # a buffer from ``new_kv``: its first ``length`` tokens hold the KV
+    length: int
     last_logits: torch.Tensor  # (vocab,) float32, the distribution of the next token
     prompt_logits: torch.Tensor | None  # (new_tokens, vocab) when asked for
+
+    @property
+    def prefix(self) -> torch.Tensor:
+        """The KV computed so far (a view of ``kv``)."""
+        return self.kv[:, :, :, : self.length]
 
 
 class ModelRunner:
@@ -52,47 +64,17 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.loaded.device
 
-    # -- KV tensors <-> transformers cache ---------------------------------------------------
+    # -- KV buffers -------------------------------------------------------------------------------
 
     def new_kv(self, tokens: int) -> torch.Tensor:
         """An empty (layers, 2, heads, tokens, head_dim) buffer on the model's device, in its dtype.
 
-        A request's prefix is decoded or prefilled straight into it, and the cache
-        built over it (``cache_from_kv``) keeps writing into it: size it for the
-        whole request, prompt and generated tokens.
+        A request's prefix is decoded or prefilled straight into it, and its
+        passes keep writing into it: size it for the whole request, prompt and
+        generated tokens.
         """
         shape = (self.num_layers, 2, self.num_kv_heads, tokens, self.head_dim)
         return torch.empty(shape, device=self.device, dtype=self.loaded.dtype)
-
-    def cache_from_kv(self, kv: torch.Tensor | None, length: int | None = None) -> DynamicCache:
-        """A cache whose first ``length`` tokens (default: all) are ``kv``'s, without a copy.
-
-        When ``kv`` is a buffer from ``new_kv`` on the model's device and dtype,
-        the cache's layers are views of it and new tokens are written into it in
-        place (``BufferLayer``); anything else is copied into a fresh cache.
-        """
-        cache = DynamicCache(config=self.model.config)
-        if kv is None:
-            return cache
-        length = kv.shape[3] if length is None else length
-        in_place = kv.device == self.device and kv.dtype == self.loaded.dtype
-        if not in_place:
-            kv = kv[:, :, :, :length].to(device=self.device, dtype=self.loaded.dtype)
-        for index in range(self.num_layers):
-            keys, values = kv[index, 0].unsqueeze(0), kv[index, 1].unsqueeze(0)
-            if type(cache.layers[index]) is DynamicLayer:
-                cache.layers[index] = BufferLayer(keys, values, length)
-            elif length:
-                cache.layers[index].update(keys[:, :, :length], values[:, :, :length])
-        return cache
-
-    def kv_from_cache(self, cache: DynamicCache, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """The cached tokens ``[start, end)`` as one (layers, 2, heads, tokens, head_dim) tensor."""
-        parts = [
-            torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
-            for layer in cache.layers
-        ]
-        return torch.stack(parts)
 
     # -- model passes -----------------------------------------------------------------------------
 
@@ -104,33 +86,47 @@ class ModelRunner:
         *,
         prefix_tokens: int | None = None,
         want_prompt_logits: bool = False,
+        room: int = 0,
     ) -> PrefillResult:
-        """Run the model over ``token_ids`` after the first ``prefix_tokens`` of ``prefix_kv``.
+        """Run the model over ``token_ids`` after the first ``prefix_tokens`` (default: all) of
+        ``prefix_kv``, in passes of at most ``PREFILL_PASS_TOKENS``.
 
-        ``token_ids`` are the tokens *after* the prefix and must not be empty:
-        the last one produces the next-token distribution. ``prefix_kv`` may be
-        a buffer from ``new_kv`` with room for the rest of the request: the
-        cache then grows inside it.
+        ``token_ids`` are the tokens *after* the prefix and must not be empty: the last one
+        produces the next-token distribution. When ``prefix_kv`` is a buffer from ``new_kv`` with
+        room for them, they are written into it in place; otherwise the prefix is copied into a
+        new buffer with ``room`` tokens to spare (for ``decode``).
         """
         if not token_ids:
             raise ValueError("prefill needs at least one token after the cached prefix")
-        cache = self.cache_from_kv(prefix_kv, prefix_tokens)
-        past = cache.get_seq_length()
-        input_ids = torch.tensor([token_ids], device=self.device)
-        positions = torch.arange(past, past + len(token_ids), device=self.device).unsqueeze(0)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=0 if want_prompt_logits else 1,
-        )
-        logits = out.logits[0].float()
-        return PrefillResult(
-            cache=cache,
-            last_logits=logits[-1],
-            prompt_logits=logits if want_prompt_logits else None,
-        )
+        past = 0 if prefix_kv is None else (prefix_kv.shape[3] if prefix_tokens is None else prefix_tokens)
+        end = past + len(token_ids)
+        kv = prefix_kv
+        if kv is None or not self._holds(kv, end + room):
+            kv = self.new_kv(end + room)
+            if past:
+                assert prefix_kv is not None
+                kv[:, :, :, :past].copy_(prefix_kv[:, :, :, :past])
+        rows: list[torch.Tensor] = []
+        last: torch.Tensor | None = None
+        for at in range(0, len(token_ids), PREFILL_PASS_TOKENS):
+            piece = token_ids[at : at + PREFILL_PASS_TOKENS]
+            final = at + len(piece) == len(token_ids)
+            want = "all" if want_prompt_logits else ("last" if final else "none")
+            (logits,) = self.forward_ragged([Segment(kv, past + at, piece, want)])
+            if want_prompt_logits:
+                assert logits is not None
+                rows.append(logits)
+            elif final:
+                last = logits
+        prompt_logits = torch.cat(rows) if want_prompt_logits else None
+        if prompt_logits is not None:
+            last = prompt_logits[-1]
+        assert last is not None
+        return PrefillResult(kv=kv, length=end, last_logits=last, prompt_logits=prompt_logits)
+
+    def _holds(self, kv: torch.Tensor, tokens: int) -> bool:
+        """Whether ``kv`` can take the KV of ``tokens`` tokens in place."""
+        return kv.device == self.device and kv.dtype == self.loaded.dtype and kv.shape[3] >= tokens
 
     @torch.inference_mode()
     def forward_ragged(self, segments: list[Segment]) -> list[torch.Tensor | None]:
@@ -179,7 +175,7 @@ class ModelRunner:
 
     def compute_kv(self, token_ids: list[int]) -> torch.Tensor:
         """Prefill a whole context from scratch and return its KV."""
-        return self.kv_from_cache(self.prefill(token_ids).cache)
+        return self.prefill(token_ids).kv
 
     @torch.inference_mode()
     def decode(
@@ -188,13 +184,14 @@ class ModelRunner:
         params: SamplingParams,
         max_new_tokens: int,
     ) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield ``(token, logits it was sampled from)`` until EOS (not yielded) or ``max_new_tokens``.
+        """Yield ``(token, logits it was sampled from)`` until EOS (not yielded) or ``max_new_tokens``;
+        each token's KV goes into ``state.kv`` (moved to a larger buffer when it is full).
 
         The caller stops early by closing the generator (stop strings, a
         client that went away).
         """
         generator = make_generator(params.seed, self.device)
-        cache, logits = state.cache, state.last_logits
+        logits = state.last_logits
         for step in range(max_new_tokens):
             token = sample_next(logits, params, generator)
             if token in self.eos_token_ids and not params.ignore_eos:
@@ -202,14 +199,14 @@ class ModelRunner:
             yield token, logits
             if step + 1 == max_new_tokens:
                 return
-            pos = cache.get_seq_length()
-            out = self.model(
-                input_ids=torch.tensor([[token]], device=self.device),
-                position_ids=torch.tensor([[pos]], device=self.device),
-                cache=cache,
-                use_cache=True,
-            )
-            logits = out.logits[0, -1].float()
+            if not self._holds(state.kv, state.length + 1):
+                grown = self.new_kv(state.length + max_new_tokens - step)
+                grown[:, :, :, : state.length].copy_(state.prefix)
+                state.kv = grown
+            (out,) = self.forward_ragged([Segment(state.kv, state.length, [token])])
+            assert out is not None
+            state.length += 1
+            logits = out
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

@@ -30,7 +30,8 @@ from engine import ModelRunner
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 2  # 2: decode timed into the model's buffer, on its device
+# 2: decode timed into the model's buffer, on its device; 3: prefill timed on the serving path
+PROFILE_VERSION = 3
 _EWMA = 0.2  # weight of the newest measurement
 
 
@@ -165,10 +166,18 @@ def measure(runner: ModelRunner, levels: list[Level], chunk_size: int) -> CostPr
     n, small = chunk_size, max(chunk_size // 8, 1)
     ids = torch.randint(0, vocab, (2 * n + small,), generator=torch.Generator().manual_seed(0)).tolist()
     runner.prefill(ids[:8])  # first-call overheads out of the way
-    kv0 = runner.kv_from_cache(runner.prefill(ids[:n]).cache)
-    t0 = min(_time(runner.prefill, ids[:n]) for _ in range(2))  # n tokens at position 0
-    t1 = min(_time(runner.prefill, ids[n : 2 * n], kv0) for _ in range(2))  # n tokens after n
-    t2 = min(_time(runner.prefill, ids[n : n + small], kv0) for _ in range(2))  # a few after n
+    # one buffer with room for every pass, as the step loop prefills into a request's buffer
+    buffer = runner.new_kv(2 * n + small)
+    kv0 = runner.prefill(ids[:n], buffer, prefix_tokens=0).prefix.clone()
+
+    def prefill(tokens: list[int], past: int) -> None:
+        runner.prefill(tokens, buffer, prefix_tokens=past)
+        if buffer.device.type == "cuda":
+            torch.cuda.synchronize(buffer.device)
+
+    t0 = min(_time(prefill, ids[:n], 0) for _ in range(2))  # n tokens at position 0
+    t1 = min(_time(prefill, ids[n : 2 * n], n) for _ in range(2))  # n tokens after n
+    t2 = min(_time(prefill, ids[n : n + small], n) for _ in range(2))  # a few after n
     # model: t = overhead + tokens * (per_token + per_position * (past + tokens / 2))
     per_position = max((t1 - t0) / (n * n), 0.0)
     per_token = max((t1 - t2) / (n - small) - per_position * (n + (n + small) / 2), 1e-7)

@@ -128,6 +128,58 @@ def test_sequences_that_read_shared_kv_match_stock_transformers_and_never_write_
         assert torch.equal(base[:, :, :, :300], frozen)  # the shared tokens are only read
 
 
+def stock_logits_and_greedy(runner: ModelRunner, token_ids: list[int], new_tokens: int):
+    """Stock transformers, SDPA and its own cache: every prompt position's logits, and the greedy
+    continuation."""
+    model = runner.model
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0].float()
+            out = model.generate(
+                torch.tensor([token_ids]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens
+            )
+    finally:
+        model.set_attn_implementation(ragged.ATTENTION_NAME)
+    return logits, out[0, len(token_ids) :].tolist()
+
+
+def test_prefill_and_decode_run_the_serving_path_and_match_stock_transformers(runner, ids, monkeypatch):
+    """What the cost profile, calibration and the quality tools run: passes of at most
+    PREFILL_PASS_TOKENS through forward_ragged, also on top of a prefix and with every
+    position's logits, then greedy decoding in the same buffer."""
+    from engine import runner as runner_module
+    from engine.sampling import SamplingParams
+
+    calls: list[int] = []
+    forward = ModelRunner.forward_ragged
+
+    def counting(self, segments):
+        calls.append(sum(len(s.token_ids) for s in segments))
+        return forward(self, segments)
+
+    monkeypatch.setattr(ModelRunner, "forward_ragged", counting)
+    monkeypatch.setattr(runner_module, "PREFILL_PASS_TOKENS", 128)
+    prompt = ids[:300]  # 3 passes of at most 128, and not a multiple of a block
+    want, greedy = stock_logits_and_greedy(runner, prompt, 6)
+
+    whole = runner.prefill(prompt)
+    assert calls == [128, 128, 44] and whole.length == 300 and whole.kv.shape[3] == 300
+    assert torch.allclose(whole.last_logits, want[-1], atol=2e-3)
+
+    on_prefix = runner.prefill(prompt[100:], whole.kv, prefix_tokens=100, want_prompt_logits=True)
+    assert on_prefix.kv is whole.kv  # the buffer had room: written in place
+    assert on_prefix.prompt_logits is not None and on_prefix.prompt_logits.shape[0] == 200
+    assert torch.allclose(on_prefix.prompt_logits, want[100:], atol=2e-3)
+
+    calls.clear()
+    state = runner.prefill(prompt, room=2)  # room for 2 of the 5 decode steps: then it grows
+    tokens = [t for t, _ in runner.decode(state, SamplingParams(temperature=0.0, ignore_eos=True), 6)]
+    assert tokens == greedy
+    assert calls == [128, 128, 44] + [1] * 5 and state.length == 305
+    assert torch.allclose(state.prefix[:, :, :, :300], whole.prefix, atol=1e-4)  # whole.kv was rewritten from 100 on
+
+
 def test_bf16_weights_replace_every_linear_and_keep_the_answers(model_dir, runner, ids):
     loaded = load_model(str(model_dir), dtype="bf16-weights")
     assert loaded.bf16_weights and loaded.dtype == torch.float32
