@@ -12,8 +12,9 @@ the default model is loaded and, for each batch size, a decode step is timed:
   set up, so off by default).
 
 The variants alternate ``--rounds`` times and the median of each is kept, so a
-machine whose speed drifts affects them alike. A chunked prefill of
-``--prefill`` tokens (512 a step) is timed too. Prints a table, writes JSON.
+machine whose speed drifts affects them alike. A prefill of ``--prefill``
+tokens as serving runs it (``ModelRunner.prefill``, 512 a pass) is timed
+against one plain SDPA forward of the same tokens. Prints a table, writes JSON.
 
     python -m benchmarks.step_bench --batch 1,8,16 --dtypes float32,bf16-weights
 """
@@ -123,15 +124,27 @@ def measure(runner, ids, batches, args) -> list[dict]:
     return rows
 
 
-def prefill_seconds(runner, ids, tokens: int, rounds: int) -> float:
-    from engine.ragged import Segment
+def prefill_seconds(runner, ids, tokens: int, rounds: int) -> tuple[float, float]:
+    """(serving's prefill, one plain SDPA forward) of ``tokens`` tokens, medians of ``rounds``
+    alternating runs. Serving's is ``ModelRunner.prefill``: passes of at most 512 tokens, the
+    step loop's largest prefill step, through the engine's attention."""
+    prompt = ids[:tokens]
 
-    def run() -> None:
-        kv = runner.new_kv(tokens)
-        for start in range(0, tokens, 512):
-            runner.forward_ragged([Segment(kv, start, ids[start : min(tokens, start + 512)], "last")])
+    def plain() -> None:
+        from engine import ragged
 
-    return statistics.median(seconds(run, 1) for _ in range(rounds))
+        runner.model.set_attn_implementation("sdpa")
+        try:
+            with torch.inference_mode():
+                runner.model(input_ids=torch.tensor([prompt]), use_cache=False, logits_to_keep=1)
+        finally:
+            runner.model.set_attn_implementation(ragged.ATTENTION_NAME)
+
+    engine, sdpa = [], []
+    for _ in range(rounds):
+        engine.append(seconds(lambda: runner.prefill(prompt), 1))
+        sdpa.append(seconds(plain, 1))
+    return statistics.median(engine), statistics.median(sdpa)
 
 
 def main() -> None:
@@ -156,14 +169,15 @@ def main() -> None:
     results = []
     for dtype in args.dtypes.split(","):
         runner = ModelRunner(load_model("smollm2", dtype=dtype))
-        ids = runner.tokenizer("A long history of programming languages. " * 400)["input_ids"]
+        ids = runner.tokenizer("A long history of programming languages. " * 600)["input_ids"]
         result = {
             "dtype": dtype,
             "precision": runner.loaded.precision,
             "rows": measure(runner, ids, batches, args),
         }
         if args.prefill:
-            result["prefill_s"] = round(prefill_seconds(runner, ids, args.prefill, args.rounds), 3)
+            engine_s, sdpa_s = prefill_seconds(runner, ids, args.prefill, args.rounds)
+            result["prefill_s"], result["sdpa_prefill_s"] = round(engine_s, 3), round(sdpa_s, 3)
         results.append(result)
         del runner
 
@@ -181,9 +195,10 @@ def main() -> None:
                 f"{r['looped_ms'] / r['batched_ms']:.2f} | {r['batch'] / r['batched_ms'] * 1000:.1f} |{extra}"
             )
     if args.prefill:
-        print(f"\n| precision | {args.prefill}-token prefill s |\n|---|---:|")
+        print(f"\n| precision | {args.prefill}-token prefill s | one SDPA forward s | ratio |\n|---|---:|---:|---:|")
         for result in results:
-            print(f"| {result['precision']} | {result['prefill_s']} |")
+            ratio = result["prefill_s"] / result["sdpa_prefill_s"]
+            print(f"| {result['precision']} | {result['prefill_s']} | {result['sdpa_prefill_s']} | {ratio:.2f} |")
     print(f"wrote {out}")
 
 
