@@ -16,6 +16,9 @@ Workloads (streamed chat completions, greedy, measured at the client):
 * ``stored_fresh_s`` (gateway only): the context pre-encoded with
   ``POST /contexts``, the gateway restarted on the same local store, a new
   question (vLLM has nothing to load after a restart: it prefills again);
+* ``stored_2k_*`` (gateway only): questions on stored 2K-token contexts in a
+  fresh gateway, one alone, then 8 at once on 8 contexts, none in memory: the
+  worst of the 8 against the one alone;
 * ``tpot_ms``: time per output token at 1 client, 64 tokens;
 * ``tokens_per_s``: 1, 8 and 16 clients, distinct short prompts, 64 tokens
   each with ``ignore_eos``, ``--duration`` seconds each (closed loop), counting
@@ -235,6 +238,37 @@ def gateway_fresh_stored(model: Path, dtype: str, text: str, root: Path) -> floa
         return round(asyncio.run(ask()), 3)
 
 
+def gateway_stored_concurrency(model: Path, dtype: str, root: Path, concurrent: int = 8) -> dict[str, float]:
+    """Questions on stored 2K-token contexts, none of them in memory: one alone, then ``concurrent``
+    at once, each on a context of its own; the worst of those against the one alone.
+
+    The contexts are pre-encoded by one gateway, then asked of a fresh one on the same store, which
+    has first answered a question on another context (its first load's one-time costs)."""
+    from benchmarks.workload import build_contexts, load_tokenizer
+
+    texts = build_contexts(load_tokenizer("default"), concurrent + 2, 2048)
+    env = {"CACHEGEN_MODEL": str(model), "CACHEGEN_SERVED_MODEL_NAME": DEFAULT_MODEL_NAME, "CACHEGEN_DTYPE": dtype,
+           "CACHEGEN_STORE": f"file://{root / 'stored-2k'}"}  # fmt: skip
+    with GatewayProcess(env, root / "gateway-encode-2k.log") as g:
+        for text in texts:
+            body = {"messages": [{"role": "system", "content": text}]}
+            httpx.post(f"{g.url}/contexts", json=body, timeout=900).raise_for_status()
+    with GatewayProcess(env, root / "gateway-2k.log") as g:
+
+        async def ask(text: str) -> float:
+            async with httpx.AsyncClient() as client:
+                return (await stream_chat(client, g.url, context_messages(text, QUESTIONS[0]), 8))[0]
+
+        async def together() -> list[float]:
+            return await asyncio.gather(*(ask(text) for text in texts[2:]))
+
+        asyncio.run(ask(texts[0]))  # warm-up
+        alone = asyncio.run(ask(texts[1]))
+        worst = max(asyncio.run(together()))
+    return {"stored_2k_alone_s": round(alone, 3), f"stored_2k_worst_of_{concurrent}_s": round(worst, 3),
+            f"stored_2k_worst_of_{concurrent}_over_alone": round(worst / alone, 2)}  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -278,6 +312,7 @@ def main() -> int:
         results["gateway"] = run_all(g.url, text, args.duration, concurrency)
         results["gateway"]["peak_rss_gb"] = peak_rss_gb(g.proc.pid)
     results["gateway"]["stored_fresh_s"] = gateway_fresh_stored(model, gateway_dtype, text, root)
+    results["gateway"].update(gateway_stored_concurrency(model, gateway_dtype, root))
     print(json.dumps(results["gateway"]), flush=True)
 
     if "vllm" in results:
@@ -311,7 +346,8 @@ def main() -> int:
             vv, gg = results.get("vllm", {}).get(key), results["gateway"][key]
         ratio = results.get("ratio_gateway_over_vllm", {}).get(key, "")
         print(f"{key:<28}{vv if vv is not None else '-':>10}{gg:>10}{ratio:>8}")
-    print(f"{'stored_fresh_s':<28}{'-':>10}{results['gateway']['stored_fresh_s']:>10}")
+    for key in [k for k in results["gateway"] if k.startswith("stored_")]:
+        print(f"{key:<28}{'-':>10}{results['gateway'][key]:>10}")
     print(f"written to {out}")
     return 0
 

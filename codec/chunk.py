@@ -55,7 +55,7 @@ def decode_chunk(data: bytes | memoryview) -> torch.Tensor:
     """
     chunk = parse_chunk(data)
     if isinstance(chunk.body, DenseBody):
-        return chunk.body.values
+        return chunk.body.values.clone()  # a raw chunk's values are a read-only view of ``data``
     out = torch.empty(chunk.shape, dtype=torch.float32)
     decode_chunk_into(chunk, out)
     return out

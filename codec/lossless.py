@@ -7,6 +7,8 @@ compress well once they sit next to each other, mantissa bytes do not.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 import zstandard
@@ -15,6 +17,9 @@ from codec.errors import CodecError
 from codec.zstd_frame import decompress_exact
 
 _ZSTD_LEVEL = 1
+
+# ``from_raw``'s tensors are read-only views on purpose; torch warns about every one
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 def cast(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -46,10 +51,15 @@ def raw_bytes(kv: torch.Tensor) -> bytes:
 
 
 def from_raw(payload: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The payload's values, read in place: a read-only view of ``payload`` (never write to it).
+
+    A decode copies them once, into the cache buffer; copying them here first as well (to get a
+    writable array) made a raw chunk cost two copies and a fresh allocation. ``decode_chunk``,
+    which hands the tensor to its caller, copies it."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if len(payload) != itemsize * int(np.prod(shape)):
         raise CodecError("raw payload size does not match the header")
-    return _as_tensor(np.frombuffer(payload, dtype=np.uint8).copy(), dtype, shape)
+    return _as_tensor(np.frombuffer(payload, dtype=np.uint8), dtype, shape)
 
 
 def zstd_encode(kv: torch.Tensor) -> bytes:
@@ -68,7 +78,7 @@ def zstd_decode(payload: bytes | memoryview, dtype: torch.dtype, shape: tuple[in
 
 
 def _as_tensor(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A writable, C-ordered uint8 array's bytes as a tensor (no copy); bf16 through int16."""
+    """A C-ordered uint8 array's bytes as a tensor (no copy); bf16 through int16."""
     storage_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
     tensor = torch.from_numpy(raw.reshape(-1)).view(storage_dtype).reshape(shape)
     return tensor.view(dtype) if dtype == torch.bfloat16 else tensor
