@@ -185,7 +185,7 @@ class RequestExecutor:
         reading = hit if 0 < len(shared) < MAX_PARTS else None
         tokens = job.capacity - (reading.tokens if reading is not None else 0)
         nbytes = tokens * self.runner.kv_bytes_per_token
-        staging = min(staging, self.memory.budget - nbytes)  # never what makes a request too large
+        staging = max(0, min(staging, self.memory.budget - nbytes))  # never what makes a request too large
         if not self.memory.reserve(nbytes + staging, cancel):
             self._unpin(hit)
             return None
