@@ -108,10 +108,9 @@ class PrefixLoader:
         ``staging_bytes`` (default: ``staging_bytes`` of the longest chunk; what the caller reserved
         for it) bounds the fetched bytes held at once. One chunk is always fetched, so 0 means one
         at a time."""
-        run = _LoadRun(self, target, stored, token_ids, request, prompt_tokens, started)
         if staging_bytes is None:
             staging_bytes = self.staging_bytes(max((c.tokens for c in stored.chunks), default=0))
-        run.staging_bytes = staging_bytes
+        run = _LoadRun(self, target, stored, token_ids, request, prompt_tokens, started, staging_bytes)
         return run.execute(cancel or threading.Event(), capacity)
 
     def staging_bytes(self, chunk_tokens: int) -> int:
@@ -158,6 +157,7 @@ class _LoadRun:
         request: KVRequest,
         prompt_tokens: int,
         started: float,
+        staging_bytes: int,
     ) -> None:
         self.loader = loader
         self.target = target
@@ -170,7 +170,7 @@ class _LoadRun:
         n = len(self.chunks)
         self.sources: list[str | None] = [request.levels[0].name] * n if request.fixed else [None] * n
         self.pending: dict[int, Future[_Fetched]] = {}
-        self.staging_bytes = 0  # set by ``PrefixLoader.load``
+        self.staging_bytes = staging_bytes  # fetched bytes held at once at most (beyond one chunk)
         self.decoding_bytes = 0  # of fetched chunks taken out of ``pending`` and not yet decoded
         self.committed = 0  # chunks [0, committed) have a final source (fetch issued, or text)
         # the link rate when text was last planned: each plan puts its text chunks first among
@@ -303,7 +303,8 @@ class _LoadRun:
                 if in_flight >= window and queued >= ahead_bytes:
                     return
                 chunk = self.chunks[self.committed]
-                if self._staged() and self._staged() + chunk.sizes[source] > self.staging_bytes:
+                staged = self._staged()
+                if staged and staged + chunk.sizes[source] > self.staging_bytes:
                     return
                 self.pending[self.committed] = self.loader.pool.submit(
                     self.loader.fetch, chunk, self.by_name[source]
