@@ -11,6 +11,7 @@ these.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,14 +84,95 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    if params.greedy:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+    """One token from one row of logits (see ``sample_batch``)."""
+    return sample_batch(logits[None], [params], [generator])[0]
+
+
+def sample_batch(
+    scores: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> list[int]:
+    """A token for every row of ``scores`` (rows, vocab), each by its own parameters and generator,
+    with one host sync for the batch.
+
+    - Greedy rows take the argmax.
+    - The other rows share one softmax per temperature and top-p, and the
+      nucleus (the smallest set of the most likely tokens whose mass reaches
+      ``top_p``) comes from ``topk``, widened until it holds the whole set:
+      the same tokens a full sort of the vocabulary keeps, for a fraction of
+      its cost.
+    - A seeded row draws exactly as ``torch.multinomial(probs, 1)`` does: the
+      argmax of ``probs / noise``, with Exp(1) noise over the whole
+      vocabulary from the row's generator. A seed therefore gives the tokens
+      it gave before sampling was batched.
+    - An unseeded row needs no reproducible draw, so it takes one uniform
+      number from its generator and inverts the cumulative distribution: the
+      same distribution, without drawing noise for every token of the
+      vocabulary (about 1.4 ms a row on a CPU).
+    """
+    rows, vocab = scores.shape
+    tokens = torch.zeros(rows, dtype=torch.long, device=scores.device)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        tokens[greedy] = scores[greedy].argmax(dim=-1)
+    groups: dict[tuple[float, float], list[int]] = {}
+    for i, p in enumerate(params):
+        if not p.greedy:
+            groups.setdefault((p.temperature, p.top_p), []).append(i)
+    for (temperature, top_p), members in groups.items():
+        probs = torch.softmax(scores[members] / temperature, dim=-1)
+        order: torch.Tensor | None = None
+        if top_p < 1.0:
+            probs, order = _nucleus(probs, top_p)
+        width = probs.shape[1]
+        seeded = [j for j, i in enumerate(members) if params[i].seed is not None]
+        unseeded = [j for j, i in enumerate(members) if params[i].seed is None]
+        choice = torch.zeros(len(members), dtype=torch.long, device=scores.device)
+        if seeded:
+            noise = torch.stack(
+                [
+                    torch.empty(vocab, device=scores.device).exponential_(
+                        1, generator=generators[members[j]]
+                    )[:width]
+                    for j in seeded
+                ]
+            )
+            choice[seeded] = (probs[seeded] / noise).argmax(dim=-1)
+        if unseeded:
+            draws = torch.cat(
+                [torch.rand(1, device=scores.device, generator=generators[members[j]]) for j in unseeded]
+            )
+            cdf = torch.cumsum(probs[unseeded], dim=-1)
+            at = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)[:, 0]
+            choice[unseeded] = at.clamp_(max=width - 1)
+        if order is not None:
+            choice = order.gather(1, choice[:, None])[:, 0]
+        tokens[members] = choice
+    return tokens.tolist()
+
+
+# the nucleus search starts with this many tokens and widens by NUCLEUS_WIDEN until the set fits
+NUCLEUS_FIRST = 64
+NUCLEUS_WIDEN = 8
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The most likely tokens of each row, most likely first, with the probabilities of those outside
+    the nucleus set to 0: ``(probs, token ids)``, both (rows, width), ``width`` the same for every row.
+
+    On a GPU a full sort costs little and keeps the step free of host syncs;
+    on a CPU the sort of the whole vocabulary is most of the cost, so
+    ``topk`` widens until the last token it returns is outside every row's
+    nucleus.
+    """
+    vocab = probs.shape[1]
+    width = vocab if probs.is_cuda else min(vocab, NUCLEUS_FIRST)
+    while True:
+        if width == vocab:
+            values, order = torch.sort(probs, dim=-1, descending=True)
+        else:
+            values, order = torch.topk(probs, width, dim=-1)
         # keep the smallest set whose mass reaches top_p (always at least one token)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
-        sorted_probs = sorted_probs * keep
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
+        keep = torch.cumsum(values, dim=-1) - values < top_p
+        if width == vocab or not bool(keep[:, -1].any()):
+            return values * keep, order
+        width = min(vocab, width * NUCLEUS_WIDEN)

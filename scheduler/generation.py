@@ -1,8 +1,9 @@
 """One generation request on the step loop: its prompt's prefill in chunks, then a token per step.
 
 The step loop asks each ``Generation`` for its next segment (``segment``) and
-hands back the logits that segment produced (``advance``). Everything a
-request sees comes out of here through ``emit``, on the model thread:
+hands back the logits that segment produced (``advance``), then the token the
+batched sampler drew for it (``accept``). Everything a request sees comes out
+of here through ``emit``, on the model thread:
 ``PromptDone`` when the prompt is processed, ``TokenEvent`` per token,
 ``Finished`` at the end. Sampling uses the request's own generator, so a seed
 gives the same tokens whatever else shares the step.
@@ -22,7 +23,7 @@ import torch
 from engine import ModelRunner
 from engine.detokenize import IncrementalText
 from engine.ragged import Segment
-from engine.sampling import SamplingParams, TokenHistory, adjust_logits, make_generator, sample_next
+from engine.sampling import SamplingParams, TokenHistory, adjust_logits, make_generator
 from scheduler.prefix_load import ChunkReport, KVRequest
 from scheduler.tenancy import PUBLIC, KeySpace
 
@@ -169,27 +170,56 @@ class Generation:
             self.prefill_started = time.perf_counter()
         return Segment(self.kv, self.position, prompt[self.position : end], logits, self.shared)
 
-    def advance(self, segment: Segment, logits: torch.Tensor | None, alone: bool) -> None:
-        """Take a step's result; emits events, and finishes the request when it is over."""
+    def advance(self, segment: Segment, logits: torch.Tensor | None, alone: bool) -> torch.Tensor | None:
+        """Take a step's result; emits events. Returns the logits the next token is sampled from
+        (the step loop samples every request's token at once, and hands it to ``accept``), or None
+        when the step produced no token (a prefill that is not done, an echo-only request)."""
         was_prefilling = self.prefilling
         self.position = segment.end
         if not was_prefilling:
             assert logits is not None
-            self._accept(logits)
-            return
+            return logits
         self.prefill_alone = self.prefill_alone and alone
         if self.prompt_lp is not None:
             assert logits is not None
             self._prompt_logprobs(segment, logits)
             logits = logits[-1]
         if self.prefilling:
-            return
+            return None
         assert logits is not None
         self._prompt_done()
         if self.job.max_tokens == 0:  # echo only
             self.finish("length")
-        else:
-            self._accept(logits)
+            return None
+        return logits
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the next token is sampled from: the logits after the request's penalties and biases."""
+        sampling = self.job.sampling
+        if not sampling.adjusts_logits:
+            return logits
+        if self.history is None:
+            self.history = TokenHistory(logits.shape[-1], self.job.prompt_ids, logits.device)
+        return adjust_logits(logits, sampling, self.history)
+
+    def accept(self, token: int, logits: torch.Tensor) -> None:
+        """The token sampled from ``logits`` (what ``advance`` returned): emit it, or end here."""
+        job = self.job
+        if self.history is not None:
+            self.history.add(token)
+        if token in self.runner.eos_token_ids and not job.sampling.ignore_eos:
+            self.finish("stop")
+            return
+        self.produced += 1
+        self.generated.append(token)
+        self.last_token = token
+        delta = self.text.push(token)
+        lp = self._token_logprob(token, logits, job.logprobs) if job.logprobs is not None else None
+        self.emit(TokenEvent(delta, token, lp))
+        if self.text.stopped:
+            self.finish("stop")
+        elif self.produced >= job.max_tokens:
+            self.finish("length")
 
     def finish(self, reason: str) -> None:
         if self.done:
@@ -214,30 +244,6 @@ class Generation:
         self.report.prompt_ms = _ms(now - self.job.admitted)
         self.on_prefilled(self)
         self.emit(PromptDone(self.report, self.prompt_lp))
-
-    def _accept(self, logits: torch.Tensor) -> None:
-        job = self.job
-        scores = logits
-        if job.sampling.adjusts_logits:
-            if self.history is None:
-                self.history = TokenHistory(logits.shape[-1], job.prompt_ids, logits.device)
-            scores = adjust_logits(logits, job.sampling, self.history)
-        token = sample_next(scores, job.sampling, self.generator)
-        if self.history is not None:
-            self.history.add(token)
-        if token in self.runner.eos_token_ids and not job.sampling.ignore_eos:
-            self.finish("stop")
-            return
-        self.produced += 1
-        self.generated.append(token)
-        self.last_token = token
-        delta = self.text.push(token)
-        lp = self._token_logprob(token, logits, job.logprobs) if job.logprobs is not None else None
-        self.emit(TokenEvent(delta, token, lp))
-        if self.text.stopped:
-            self.finish("stop")
-        elif self.produced >= job.max_tokens:
-            self.finish("length")
 
     def _token_logprob(self, token: int, logits: torch.Tensor, top: int) -> TokenLogprob:
         logprobs = torch.log_softmax(logits, dim=-1)

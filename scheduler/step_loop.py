@@ -44,6 +44,7 @@ import torch
 
 from engine import ModelRunner
 from engine.ragged import Segment
+from engine.sampling import sample_batch
 from scheduler.generation import Generation
 
 log = logging.getLogger(__name__)
@@ -266,6 +267,7 @@ class StepLoop:
             return
         self._account(work, len(decoding), time.perf_counter() - started)
         alone = len(work) == 1
+        sampling: list[tuple[Generation, torch.Tensor]] = []  # who gets a token, and its logits
         for (owner, segment), logits in zip(work, results):
             if isinstance(owner, PrefillTask):
                 owner.start_offset += len(segment.token_ids)
@@ -273,11 +275,44 @@ class StepLoop:
                     self._end_task(owner)
                 continue
             try:
-                owner.advance(segment, logits, alone)
+                row = owner.advance(segment, logits, alone)
+                if row is not None:
+                    sampling.append((owner, row))
             except Exception as exc:  # one request's bug must not stop the loop
                 log.exception("request failed after a model step")
                 owner.fail(exc)
+        self._sample(sampling)
         self._forget_done()
+
+    @staticmethod
+    def _sample(sampling: list[tuple[Generation, torch.Tensor]]) -> None:
+        """Every request's next token, from one batched sampler call."""
+        scored: list[tuple[Generation, torch.Tensor, torch.Tensor]] = []
+        for gen, logits in sampling:
+            try:
+                scored.append((gen, logits, gen.scores(logits)))
+            except Exception as exc:
+                log.exception("request failed computing its sampling scores")
+                gen.fail(exc)
+        if not scored:
+            return
+        try:
+            tokens = sample_batch(
+                torch.stack([scores for _, _, scores in scored]),
+                [gen.job.sampling for gen, _, _ in scored],
+                [gen.generator for gen, _, _ in scored],
+            )
+        except Exception as exc:  # the batch's requests hear of it; the loop goes on
+            log.exception("sampling failed; failing its %d sequences", len(scored))
+            for gen, _, _ in scored:
+                gen.fail(exc)
+            return
+        for (gen, logits, _), token in zip(scored, tokens):
+            try:
+                gen.accept(token, logits)
+            except Exception as exc:
+                log.exception("request failed after sampling")
+                gen.fail(exc)
 
     @staticmethod
     def _fill(
