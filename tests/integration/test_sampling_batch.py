@@ -1,10 +1,12 @@
-"""The batched sampler against the per-row sampler it replaced, on a real model's logits."""
+"""The batched sampler against the per-row sampler it replaced (``per_row_sample``, the benchmark's
+baseline), on a real model's logits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from benchmarks.sampler_bench import per_row_sample
 from engine import ModelRunner
 from engine.loading import load_model
 from engine.sampling import NUCLEUS_FIRST, SamplingParams, make_generator, sample_batch, sample_next
@@ -15,20 +17,6 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def runner(model_dir) -> ModelRunner:
     return ModelRunner(load_model(str(model_dir)))
-
-
-def per_row_sampler(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """The sampler before batching, verbatim: what a seeded request must keep getting."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
-        sorted_probs = sorted_probs * keep
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +49,7 @@ def test_seeded_rows_get_the_tokens_the_per_row_sampler_gave(model_logits):
     before = [make_generator(s, CPU) for s in seeds]
     after = [make_generator(s, CPU) for s in seeds]
     for _ in range(5):  # several steps: each generator advances as it did before
-        expected = [per_row_sampler(model_logits[i], params[i], before[i]) for i in range(rows)]
+        expected = [per_row_sample(model_logits[i], params[i], before[i]) for i in range(rows)]
         assert sample_batch(model_logits, params, after) == expected
     # the flat rows needed a nucleus wider than the first topk, so widening was exercised
     probs = torch.softmax(model_logits[-1] / 1.3, dim=-1)
