@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from app.admission import Admission, EventStream
+from app.admission import Admission
 from app.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from app.metrics import Metrics
 from app.protocol import (
@@ -40,6 +40,7 @@ from scheduler.lifecycle import CollectReport, StoreCollector
 from scheduler.planner import TEXT
 from scheduler.prefix_load import KVRequest
 from scheduler.step_loop import StepLoop
+from scheduler.text_stream import TextStream
 from storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -304,13 +305,15 @@ class Gateway:
             **extra,
         )
 
-    def events(self, job: GenerationJob) -> EventStream:
+    def events(self, job: GenerationJob) -> TextStream:
+        """Admit the job and run it; its events, with their text made here, off the model thread."""
         self.executor.check(job)
-        return self.admission.stream(lambda emit, cancel: self.executor.run(job, emit, cancel))
+        stream = self.admission.stream(lambda emit, cancel: self.executor.run(job, emit, cancel))
+        return TextStream(stream, self.runner.tokenizer, job.stops)
 
-    def admit_all(self, jobs: list[GenerationJob]) -> list[EventStream]:
+    def admit_all(self, jobs: list[GenerationJob]) -> list[TextStream]:
         """Admit every job, or none: a job that is refused closes the ones admitted before it."""
-        streams: list[EventStream] = []
+        streams: list[TextStream] = []
         try:
             for job in jobs:
                 streams.append(self.events(job))

@@ -13,7 +13,6 @@ from app.errors import InvalidRequest, error_code
 from app.gateway import (
     CLIENT_CLOSED,
     Disconnected,
-    EventStream,
     Gateway,
     collect,
     observed_events,
@@ -23,6 +22,7 @@ from app.protocol import ChatCompletionRequest, new_id, now
 from app.sse import StreamFramer, merged, stream_response
 from scheduler.generation import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
 from scheduler.tenancy import PUBLIC, KeySpace
+from scheduler.text_stream import TextStream
 
 
 async def chat_completion(
@@ -90,7 +90,7 @@ def _logprob(entry: TokenLogprob) -> dict[str, Any]:
 
 
 async def _stream(
-    gateway: Gateway, jobs: list[GenerationJob], include_usage: bool, streams: list[EventStream]
+    gateway: Gateway, jobs: list[GenerationJob], include_usage: bool, streams: list[TextStream]
 ) -> AsyncIterator[str]:
     framer = StreamFramer("chat.completion.chunk", "chatcmpl", gateway.model_name)
 

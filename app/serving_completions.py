@@ -13,7 +13,6 @@ from app.errors import InvalidRequest, error_code
 from app.gateway import (
     CLIENT_CLOSED,
     Disconnected,
-    EventStream,
     Gateway,
     collect,
     observed_events,
@@ -23,6 +22,7 @@ from app.protocol import CompletionRequest, new_id, now
 from app.sse import StreamFramer, merged, stream_response
 from scheduler.generation import Finished, GenerationJob, PromptDone, TokenEvent, TokenLogprob
 from scheduler.tenancy import PUBLIC, KeySpace
+from scheduler.text_stream import TextStream
 
 
 def prompt_ids(gateway: Gateway, request: CompletionRequest) -> list[int]:
@@ -126,7 +126,7 @@ async def _stream(
     request: CompletionRequest,
     jobs: list[GenerationJob],
     include_usage: bool,
-    streams: list[EventStream],
+    streams: list[TextStream],
 ) -> AsyncIterator[str]:
     framer = StreamFramer("text_completion", "cmpl", gateway.model_name)
 

@@ -5,7 +5,9 @@ hands back the logits that segment produced (``advance``), then the token the
 batched sampler drew for it (``accept``). Everything a request sees comes out
 of here through ``emit``, on the model thread:
 ``PromptDone`` when the prompt is processed, ``TokenEvent`` per token,
-``Finished`` at the end. Sampling uses the request's own generator, so a seed
+``Finished`` at the end. Events carry token ids: text, stop strings and the
+strings of logprob entries are made off the model thread, by the consumer
+(``scheduler.text_stream``). Sampling uses the request's own generator, so a seed
 gives the same tokens whatever else shares the step.
 """
 
@@ -21,7 +23,6 @@ from typing import Any
 import torch
 
 from engine import ModelRunner
-from engine.detokenize import IncrementalText
 from engine.ragged import Segment
 from engine.sampling import SamplingParams, TokenHistory, adjust_logits, make_generator
 from scheduler.prefix_load import ChunkReport, KVRequest
@@ -54,9 +55,14 @@ class GenerationJob:
 
 @dataclass
 class TokenLogprob:
-    token: str
+    """A token's logprob and the top ones, by token id; the strings are filled in off the model
+    thread (``scheduler.text_stream``)."""
+
+    token_id: int
     logprob: float | None
-    top: dict[str, float] | None
+    top_ids: list[tuple[int, float]] | None  # (token id, logprob), most likely first
+    token: str = ""
+    top: dict[str, float] | None = None
 
 
 @dataclass
@@ -88,9 +94,9 @@ class PromptDone:
 
 @dataclass
 class TokenEvent:
-    text: str  # text released by this token (may be empty while held back)
     token_id: int
     logprob: TokenLogprob | None
+    text: str = ""  # text released by this token (may be empty while held back): see ``text_stream``
 
 
 @dataclass
@@ -129,7 +135,6 @@ class Generation:
         self.cancel = cancel
         self.on_prefilled = on_prefilled
         self.on_finished = on_finished
-        self.text = IncrementalText(runner.tokenizer, job.stops)
         self.generator = make_generator(job.sampling.seed, runner.device)
         self.history: TokenHistory | None = None  # made at the first token, when the vocabulary is known
         self.prompt_lp: list[TokenLogprob] | None = [] if job.prompt_logprobs is not None else None
@@ -213,19 +218,16 @@ class Generation:
         self.produced += 1
         self.generated.append(token)
         self.last_token = token
-        delta = self.text.push(token)
         lp = self._token_logprob(token, logits, job.logprobs) if job.logprobs is not None else None
-        self.emit(TokenEvent(delta, token, lp))
-        if self.text.stopped:
-            self.finish("stop")
-        elif self.produced >= job.max_tokens:
+        self.emit(TokenEvent(token, lp))
+        if self.produced >= job.max_tokens:
             self.finish("length")
 
     def finish(self, reason: str) -> None:
         if self.done:
             return
         self.done = True
-        self.emit(Finished(reason, self.produced, self.text.finish() if reason != "abort" else ""))
+        self.emit(Finished(reason, self.produced))
         self.on_finished(self)
 
     def fail(self, exc: BaseException) -> None:
@@ -247,9 +249,7 @@ class Generation:
 
     def _token_logprob(self, token: int, logits: torch.Tensor, top: int) -> TokenLogprob:
         logprobs = torch.log_softmax(logits, dim=-1)
-        return TokenLogprob(
-            token=self._piece(token), logprob=float(logprobs[token]), top=self._top(logprobs, top)
-        )
+        return TokenLogprob(token, float(logprobs[token]), self._top(logprobs, top))
 
     def _prompt_logprobs(self, segment: Segment, logits: torch.Tensor) -> None:
         """Logprobs of the prompt tokens up to this segment's end; None where no logits exist
@@ -262,28 +262,26 @@ class Generation:
             token = prompt[pos]
             row = pos - 1 - segment.start  # the row of this segment's logits that predicted ``token``
             if pos == 0 or pos <= self.cached or row < -1:
-                self.prompt_lp.append(TokenLogprob(self._piece(token), None, None))
+                self.prompt_lp.append(TokenLogprob(token, None, None))
                 continue
             source = self._previous_row if row == -1 else logprobs[row]
             assert source is not None
             value = float(source[token])
             self.prompt_lp.append(
                 TokenLogprob(
-                    self._piece(token),
+                    token,
                     value if math.isfinite(value) else -9999.0,
                     self._top(source, self.job.prompt_logprobs),
                 )
             )
         self._previous_row = logprobs[-1]  # predicts the first token of the next segment
 
-    def _top(self, logprobs: torch.Tensor, k: int) -> dict[str, float] | None:
+    @staticmethod
+    def _top(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]] | None:
         if k <= 0:
             return None
         values, ids = torch.topk(logprobs, k)
-        return {self._piece(int(i)): float(v) for v, i in zip(values, ids)}
-
-    def _piece(self, token: int) -> str:
-        return self.runner.tokenizer.decode([token])
+        return list(zip(ids.tolist(), values.tolist()))
 
 
 def _ms(seconds: float) -> float:

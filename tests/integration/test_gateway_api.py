@@ -105,7 +105,12 @@ def test_completions_echo_logprobs_with_reused_prefix(client, gateway, tokenizer
     r = httpx.post(f"{gateway.url}/contexts", json={"prompt_token_ids": ids[:512]}, timeout=300)
     assert r.status_code == 200 and r.json()["cached_tokens"] == 512
     out = client.completions.create(
-        model=MODEL_NAME, prompt=ids, max_tokens=0, echo=True, logprobs=2, extra_body={"kv_quality": "lossless"}
+        model=MODEL_NAME,
+        prompt=ids,
+        max_tokens=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"kv_quality": "lossless"},
     )
     lp = out.choices[0].logprobs
     assert len(lp.token_logprobs) == len(ids)
@@ -121,13 +126,21 @@ def test_completions_echo_logprobs_with_reused_prefix(client, gateway, tokenizer
     assert flp[513:] == pytest.approx(lp.token_logprobs[513:], abs=1e-3)
 
 
-def test_completions_text_and_stop(client):
+def test_completions_text_and_stop(client, tokenizer):
     out = client.completions.create(
         model=MODEL_NAME, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7"]
     )
     text = out.choices[0].text
     assert " 7" not in text and "5" in text
     assert out.choices[0].finish_reason == "stop"
+    # counted up to the token that completed the stop string (the text stage cancels the rest)
+    assert out.usage.completion_tokens == len(tokenizer(text + " 7", add_special_tokens=False)["input_ids"])
+    streamed = client.completions.create(
+        model=MODEL_NAME, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7"], stream=True
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
 def test_seeded_sampling_is_reproducible(client):
