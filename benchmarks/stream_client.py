@@ -36,6 +36,7 @@ class Load:
     timeout: float = 600.0
     ignore_eos: bool = True
     temperature: float = 0.0
+    top_p: float = 1.0
 
 
 @dataclass
@@ -111,6 +112,8 @@ def request_body(spec: RequestSpec, model: str, load: Load) -> dict[str, Any]:
     }
     if load.ignore_eos:
         body["ignore_eos"] = True
+    if load.top_p != 1.0:
+        body["top_p"] = load.top_p
     return body
 
 
