@@ -6,15 +6,17 @@
 Two replicas on a 2-core machine cannot show throughput scaling, so this is a discrete-event
 model fed with what ``benchmarks/scaleout.py`` measured on one replica (its ``costs``):
 
-- **A replica** is a processor-sharing server over one core: each prompt in progress takes an
-  equal share, and so does the decode batch as a whole, whose step at batch n costs ``n**beta``
-  solo steps; beta from the measured decode time per token at batch 1 and 2 (beta 1: batching
+- **A replica** is a processor-sharing server over one core: each store hit decoding its
+  fetched chunks takes an equal share, and so does the step loop's batch as a whole (decodes
+  and prompt prefills), whose step at batch n costs ``n**beta`` solo steps; beta from the measured decode time per token at batch 1 and 2 (beta 1: batching
   gains nothing; 0: a batch costs what one sequence does).
 - **A request** is a prompt phase, then ``max_tokens`` decode steps. Its prompt is a memory hit
   (the replica's prefix cache holds the context: the measured memory-hit TTFT, per context
-  token) or a store hit: an S3 fetch of the context's bytes (the measured per-stream rate,
-  shared under ``--s3-gbps`` over all replicas), then the decode of those bytes into KV (the
-  measured store-hit TTFT less its fetch, per token), on the replica's CPU.
+  token, a step-loop job) or a store hit: an S3 fetch of the context's bytes (the measured
+  per-stream rate, shared under ``--s3-gbps`` over all replicas), then, as in the gateway, the
+  decode of those bytes into KV on the prepare threads (the measured ``store_decode_s``, per
+  token; a CPU share of its own), then the question's prefill on the step loop (the rest of the
+  measured store-hit TTFT, per token; batched like a memory hit's).
 - **Memory** is each replica's KV budget as an LRU over contexts (a loaded context stays in the
   prefix cache). As in the gateway, a request on a context in memory attaches its KV rather
   than copying it (its own few tokens are left out), and a context that running requests read
@@ -60,7 +62,8 @@ class Costs:
     """Per-replica costs, from ``benchmarks/scaleout.py``'s ``costs``."""
 
     memory_hit_s_per_token: float  # prompt phase of a memory hit, CPU
-    store_cpu_s_per_token: float  # decode of fetched chunks into KV (+ the question's prefill), CPU
+    store_decode_s_per_token: float  # a store hit's decode of fetched chunks into KV, CPU (prepare threads)
+    store_cpu_s_per_token: float  # the rest of a store hit's prompt (the question's prefill), CPU (the step loop)
     store_bytes_per_token: float
     s3_stream_bytes_per_s: float  # one fetch, alone
     decode_s_per_token: float  # one sequence, batch 1
@@ -74,7 +77,8 @@ class Costs:
         d1, d2 = m["decode_s_per_token_batch1"], m["decode_s_per_token_batch2"]
         return cls(
             memory_hit_s_per_token=m["memory_hit_ttft_s"] / tokens,
-            store_cpu_s_per_token=max(m["store_hit_ttft_s"] - m["store_fetch_s"], 0.0) / tokens,
+            store_decode_s_per_token=m["store_decode_s"] / tokens,
+            store_cpu_s_per_token=max(m["store_hit_ttft_s"] - m["store_fetch_s"] - m["store_decode_s"], 0.0) / tokens,
             store_bytes_per_token=m["store_bytes"] / tokens,
             s3_stream_bytes_per_s=m["store_bytes"] / max(m["store_fetch_s"], 1e-6),
             decode_s_per_token=d1,
@@ -95,6 +99,7 @@ class Costs:
         return dataclasses.replace(
             self,
             memory_hit_s_per_token=self.memory_hit_s_per_token * f,
+            store_decode_s_per_token=self.store_decode_s_per_token * f,
             store_cpu_s_per_token=self.store_cpu_s_per_token * f,
             decode_s_per_token=self.decode_s_per_token * f,
         )
@@ -108,15 +113,16 @@ class Job:
     started: float
     replica: int
     hot: bool = False
-    phase: str = "fetch"  # fetch (S3, not CPU) -> prompt (CPU) -> decode (CPU)
+    phase: str = "fetch"  # fetch (S3, not CPU) -> load (CPU; store hits) -> prompt (CPU) -> decode (CPU)
     remaining: float = 0.0  # bytes in fetch, CPU seconds at solo speed otherwise
     ttft: float | None = None
 
     @property
     def batched(self) -> bool:
-        """In the model's ragged step: decoding, or prefilling the question after a memory hit
-        (its context's KV is attached, so the step holds only the question's tokens)."""
-        return self.phase == "decode" or (self.phase == "prompt" and self.hot)
+        """In the model's ragged step: decoding, or prefilling the question once its context's KV
+        is in memory (attached from the prefix cache, or just loaded), so that the step holds
+        only the question's tokens."""
+        return self.phase in ("decode", "prompt")
 
 
 @dataclass
@@ -128,9 +134,9 @@ class Replica:
 
     def speeds(self, beta: float) -> list[float]:
         """How fast each job on the CPU runs against its solo speed. The replica's core is shared,
-        in equal parts, by each prompt in progress (a prefill or a decode of fetched chunks: work
-        that does not batch) and by the decode batch as a whole, whose step at batch n costs
-        ``n**beta`` times a solo step."""
+        in equal parts, by each decode of fetched chunks in progress (work that does not batch)
+        and by the step loop's batch as a whole, whose step at batch n costs ``n**beta`` times a
+        solo step."""
         batched = sum(j.batched for j in self.cpu)
         shares = len(self.cpu) - batched + (1 if batched else 0)
         return [1.0 / (shares * batched**beta) if j.batched else 1.0 / shares for j in self.cpu]
@@ -241,14 +247,18 @@ def simulate(
         eps = 1e-12
         for job in [f for f in fetching if f.remaining <= eps]:
             fetching.remove(job)
-            job.phase, job.remaining = "prompt", job.tokens * costs.store_cpu_s_per_token
+            job.phase, job.remaining = "load", job.tokens * costs.store_decode_s_per_token
             pool[job.replica].cpu.append(job)
         for rep in pool:
             for job in [j for j in rep.cpu if j.remaining <= eps]:
+                if job.phase == "load":  # its KV is in memory: the question's prefill is a step-loop job
+                    job.phase, job.remaining = "prompt", job.tokens * costs.store_cpu_s_per_token
+                    if job.remaining > eps:
+                        continue
                 if job.phase == "prompt":
                     job.ttft = now - job.started
                     others = [j for j in rep.cpu if j is not job]
-                    loading = sum(j.tokens for j in others if j.phase == "prompt" and not j.hot)
+                    loading = sum(j.tokens for j in others if j.phase in ("load", "prompt") and not j.hot)
                     rep.admit(job.context, job.tokens, loading, {j.context for j in others})
                     job.phase, job.remaining = "decode", (max_tokens - 1) * costs.decode_s_per_token
                     if job.remaining > eps:
