@@ -30,9 +30,12 @@ literature reports on).
   top of the decoded prefix, against the exact prefix
   (``engine.quality.continuation_quality``).
 
-Variants: ``pca`` (the transform), ``channels`` (the same quantizer and size
-estimate on the raw channels: what the transform adds), and the codec's own
-levels, real bytes, in the same run. Prints the rate-distortion table and,
+Variants: ``pca`` (one basis over the heads, keys after RoPE),
+``pca-prerope`` (keys rotated back to before RoPE first, and rotated again
+after decoding), ``pca-prerope-perhead`` (the same with one basis per KV
+head), ``channels`` (the same quantizer and size count on the raw channels:
+what the transform adds), and the codec's own levels, real bytes, in the
+same run. Prints the rate-distortion table and,
 for issue 18's targets, the fewest bits that meet each; writes JSON.
 
     python -m benchmarks.transform_study
@@ -62,7 +65,15 @@ TARGETS = (
 class Transform:
     """Per (layer, K/V): the mean, the weights and the PCA basis of the weighted KV vectors."""
 
-    def __init__(self, kv: torch.Tensor, key_weight: torch.Tensor, sinks: int, pca: bool, rope=None) -> None:
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        key_weight: torch.Tensor,
+        sinks: int,
+        pca: bool,
+        rope=None,
+        per_head: bool = False,
+    ) -> None:
         layers, _, heads, _, dim = kv.shape
         self.shape = (heads, dim)
         self.rope = rope  # (cos, sin) of every position: keys are then coded before rotary embedding
@@ -78,7 +89,13 @@ class Transform:
         )
         self.mean = x.mean(dim=2)
         y = (x - self.mean[:, :, None]) * self.weight[:, :, None]
-        if pca:
+        if pca and per_head:  # one basis per KV head: block-diagonal over the heads
+            self.basis = torch.zeros(layers, 2, heads * dim, heads * dim, dtype=torch.float64)
+            for h in range(heads):
+                part = y[..., h * dim : (h + 1) * dim]
+                _, vectors = torch.linalg.eigh(part.transpose(2, 3) @ part / part.shape[2])
+                self.basis[..., h * dim : (h + 1) * dim, h * dim : (h + 1) * dim] = vectors.flip(-1)
+        elif pca:
             cov = y.transpose(2, 3) @ y / y.shape[2]
             _, vectors = torch.linalg.eigh(cov)  # ascending
             self.basis = vectors.flip(-1)
@@ -174,7 +191,7 @@ def target_table(results: list[dict]) -> dict:
     print(f"  {'target':<50} {'method':<12} {'bits':>6} {'limit':>6}  point")
     best = {}
     for target in TARGETS:
-        for family in ("level", "pca", "pca-prerope", "channels"):
+        for family in ("level", "pca", "pca-prerope", "pca-prerope-perhead", "channels"):
             fits = [r for r in results if r["method"].split(" ")[0] == family and meets(r, target)]
             pick = min(fits, key=lambda r: r["bits"]) if fits else None
             best[f"{target[0]} / {family}"] = pick
@@ -196,6 +213,7 @@ def main() -> None:
     p.add_argument("--texts", type=int, default=2, help="held-out texts, averaged")
     p.add_argument("--sink-tokens", type=int, default=4)
     p.add_argument("--scales", default="0.1,0.2,0.35,0.5,0.8,1.2,1.8,2.5", help="global scales swept")
+    p.add_argument("--variants", help="a comma-separated subset of the transforms (default: all)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "transform_study.json")
     args = p.parse_args()
 
@@ -218,8 +236,13 @@ def main() -> None:
     transforms = {
         "pca": Transform(calib_kv, key_weight, args.sink_tokens, pca=True),
         "pca-prerope": Transform(calib_kv, key_weight, args.sink_tokens, pca=True, rope=rope),
+        "pca-prerope-perhead": Transform(
+            calib_kv, key_weight, args.sink_tokens, pca=True, rope=rope, per_head=True
+        ),
         "channels": Transform(calib_kv, key_weight, args.sink_tokens, pca=False),
     }
+    if args.variants:
+        transforms = {name: transforms[name] for name in args.variants.split(",")}
     need = args.prefix_tokens + args.continuation_tokens
     refs = []
     for text in benchmark_texts().values():
