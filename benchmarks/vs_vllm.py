@@ -220,10 +220,19 @@ def run_all(url: str, text: str, duration: float, concurrency: list[int]) -> dic
     return out
 
 
+def gateway_env(model: Path, dtype: str, store: Path) -> dict[str, str]:
+    """The gateway's settings: the same model files and dtype as vLLM's, a local store at ``store``."""
+    return {
+        "CACHEGEN_MODEL": str(model),
+        "CACHEGEN_SERVED_MODEL_NAME": DEFAULT_MODEL_NAME,
+        "CACHEGEN_DTYPE": dtype,
+        "CACHEGEN_STORE": f"file://{store}",
+    }
+
+
 def gateway_fresh_stored(model: Path, dtype: str, text: str, root: Path) -> float:
     """A context pre-encoded, the gateway restarted on the same store, then a new question."""
-    env = {"CACHEGEN_MODEL": str(model), "CACHEGEN_SERVED_MODEL_NAME": DEFAULT_MODEL_NAME, "CACHEGEN_DTYPE": dtype,
-           "CACHEGEN_STORE": f"file://{root / 'stored'}"}  # fmt: skip
+    env = gateway_env(model, dtype, root / "stored")
     with GatewayProcess(env, root / "gateway-encode.log") as g:
         r = httpx.post(
             f"{g.url}/contexts", json={"messages": [{"role": "system", "content": text}]}, timeout=900
@@ -247,8 +256,7 @@ def gateway_stored_concurrency(model: Path, dtype: str, root: Path, concurrent: 
     from benchmarks.workload import build_contexts, load_tokenizer
 
     texts = build_contexts(load_tokenizer("default"), concurrent + 2, 2048)
-    env = {"CACHEGEN_MODEL": str(model), "CACHEGEN_SERVED_MODEL_NAME": DEFAULT_MODEL_NAME, "CACHEGEN_DTYPE": dtype,
-           "CACHEGEN_STORE": f"file://{root / 'stored-2k'}"}  # fmt: skip
+    env = gateway_env(model, dtype, root / "stored-2k")
     with GatewayProcess(env, root / "gateway-encode-2k.log") as g:
         for text in texts:
             body = {"messages": [{"role": "system", "content": text}]}
@@ -305,9 +313,7 @@ def main() -> int:
         print(json.dumps(results["vllm"]), flush=True)
 
     print("gateway ...", flush=True)
-    env = {"CACHEGEN_MODEL": str(model), "CACHEGEN_SERVED_MODEL_NAME": DEFAULT_MODEL_NAME,
-           "CACHEGEN_DTYPE": gateway_dtype, "CACHEGEN_STORE": f"file://{root / 'store'}"}  # fmt: skip
-    with GatewayProcess(env, root / "gateway.log") as g:
+    with GatewayProcess(gateway_env(model, gateway_dtype, root / "store"), root / "gateway.log") as g:
         assert g.proc is not None
         results["gateway"] = run_all(g.url, text, args.duration, concurrency)
         results["gateway"]["peak_rss_gb"] = peak_rss_gb(g.proc.pid)
