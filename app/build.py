@@ -17,7 +17,7 @@ from app.gateway import Gateway, load_levels, pick_levels
 from app.metrics import Metrics
 from app.settings import Settings
 from app.threads import configure_threads, thread_budget, worker_initializer
-from codec import Level
+from codec import Level, level_transforms
 from engine import ModelRunner, load_model
 from engine.identity import model_identity
 from scheduler.codec_gate import CodecGate
@@ -125,7 +125,16 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
     # measured on the model thread, at the speed requests will see
     with _stage(f"the cost profile ({'cached' if profile_file.exists() else 'measuring this machine'})"):
         profile = loop.call(load_or_measure, profile_file, runner, list(levels), settings.chunk_size)
-    loader = PrefixLoader(store, geometry, io_pool, profile, codec_gate=codec_gate)
+    transforms = level_transforms(levels)
+    for transform in transforms.values():
+        if transform.model != identity.weights:
+            log.warning(
+                "the level table's transform %s was calibrated on other weights (%s): chunks still "
+                "decode exactly, but may code worse; python -m app calibrate --transform fits this model",
+                transform.id.hex(),
+                transform.model[:16] or "unknown",
+            )
+    loader = PrefixLoader(store, geometry, io_pool, profile, codec_gate=codec_gate, transforms=transforms)
     store_levels = default_store_levels(levels, profile, settings.chunk_size, runner.kv_bytes_per_token)
     log.info(
         "levels stored by default: %s (lossless %s: a raw chunk over 1 Gbit/s against its recompute)",

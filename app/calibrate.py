@@ -11,7 +11,12 @@ Steps (each measured on the model, nothing hard-coded per model):
    so each layer's step scales as ``1/sqrt(sensitivity)``;
 3. one global scale per level, searched on the real codec (bits included):
    ``high``/``medium`` are the coarsest scales that meet their quality targets
-   on the calibration text; ``low`` is the finest that fits its size budget.
+   on the calibration text; ``low`` is the finest that fits its size budget;
+4. with ``--transform`` (format 5, scheme 4): a PCA transform of each layer's
+   keys (before RoPE) and values (``codec.transform.fit_transform``), written
+   beside the table, and levels that code its coefficients, each the finest
+   scale of the same per-layer steps that fits its bit budget
+   (``TRANSFORM_TARGETS``).
 
 The calibration text is not one of the benchmark texts.
 """
@@ -32,8 +37,10 @@ import numpy as np
 import torch
 
 from codec import Level, Scheme, decode_chunk, encode_chunk, load_level_table
-from codec.levels import TABLE_FORMAT
+from codec.levels import TABLE_FORMAT, level_transforms
 from codec.quantized import STEP_TABLE, QuantParams, channel_steps, step_codes
+from codec.transform import KVTransform, fit_transform, save_transform
+from codec.transformed import TransformParams
 
 log = logging.getLogger("calibrate")
 
@@ -62,6 +69,14 @@ TARGETS = (
     LevelTarget("medium", max_bits=2.2),
     LevelTarget("low", max_bits=1.25),
 )
+# Transform levels are bit budgets (issue 18): what each costs in quality is the benchmark's to say.
+TRANSFORM_TARGETS = (
+    LevelTarget("high", max_bits=3.0),
+    LevelTarget("medium", max_bits=1.3),
+    LevelTarget("low", max_bits=0.8),
+)
+TRANSFORM_TOKENS = 4096  # calibration tokens for the PCA (192 x 192 covariances per group)
+SINK_TOKENS = 4  # a context's first positions, stored exactly by transform levels
 
 
 def round_trip_chunks(
@@ -69,10 +84,11 @@ def round_trip_chunks(
 ) -> tuple[torch.Tensor, int]:
     """``kv`` encoded chunk by chunk and decoded again, and the encoded size in bytes."""
     parts, size = [], 0
+    transforms = level_transforms((level,))
     for start in range(0, kv.shape[3], chunk_tokens):
-        data = encode_chunk(kv[:, :, :, start : start + chunk_tokens], level)
+        data = encode_chunk(kv[:, :, :, start : start + chunk_tokens], level, position=start)
         size += len(data)
-        parts.append(decode_chunk(data).to(kv.dtype))
+        parts.append(decode_chunk(data, transforms).to(kv.dtype))
     return torch.cat(parts, dim=3), size
 
 
@@ -83,6 +99,29 @@ def quant_level(name: str, key_step, value_step, rms: np.ndarray | None) -> Leve
         key_channel_rms=rms,
     )
     return Level(name, Scheme.QUANT, lossless=False, quant=params)
+
+
+def transform_level(name: str, transform: KVTransform, key_step, value_step) -> Level:
+    params = TransformParams(
+        transform=transform,
+        key_step=tuple(float(v) for v in np.atleast_1d(key_step)),
+        value_step=tuple(float(v) for v in np.atleast_1d(value_step)),
+        sink_tokens=SINK_TOKENS,
+    )
+    return Level(name, Scheme.TRANSFORM, lossless=False, quant=params)
+
+
+def calibrate_transform(runner, token_ids: list[int], key_weight: np.ndarray, model: str = "") -> KVTransform:
+    """The PCA transform of the model's KV over ``token_ids``, keys rotated back to before RoPE."""
+    rotary = runner.model.model.rotary_emb
+    return fit_transform(
+        runner.compute_kv(token_ids),
+        key_weight,
+        inv_freq=rotary.inv_freq.detach().float().cpu().numpy(),
+        rope_scale=float(getattr(rotary, "attention_scaling", 1.0)),
+        skip_tokens=SINK_TOKENS,
+        model=model,
+    )
 
 
 def _fake_quant_layer(kv: torch.Tensor, params: QuantParams, layer: int, side: int) -> torch.Tensor:
@@ -157,21 +196,24 @@ def search_scale(
     key_steps,
     value_steps,
     rms,
+    make_level=None,
     lo=0.05,
     hi=8.0,
     rounds=7,
     seen: dict[float, dict[str, float]] | None = None,
 ):
-    """Geometric bisection on the global scale: coarsest that meets quality targets, finest that meets size."""
+    """Geometric bisection on the global scale: coarsest that meets quality targets, finest that meets size.
+
+    ``make_level(name, key_steps, value_steps)``: the level to try (default: a scheme-2 level with ``rms``).
+    """
+    make_level = make_level or (lambda name, k, v: quant_level(name, k, v, rms))
     by_size = target.max_bits is not None
     best = None
     seen = {} if seen is None else seen  # levels share their first probes
     for _ in range(rounds):
         mid = round(math.sqrt(lo * hi), 6)
         if mid not in seen:
-            seen[mid] = _evaluate(
-                runner, refs, quant_level(target.name, mid * key_steps, mid * value_steps, rms)
-            )
+            seen[mid] = _evaluate(runner, refs, make_level(target.name, mid * key_steps, mid * value_steps))
         m = seen[mid]
         ok = _meets(target, m)
         log.info(
@@ -211,8 +253,15 @@ def default_texts() -> list[str]:
 
 
 def calibrate(
-    runner, texts: list[str], prefix: int, continuation: int, sensitivity: np.ndarray | None = None
+    runner,
+    texts: list[str],
+    prefix: int,
+    continuation: int,
+    sensitivity: np.ndarray | None = None,
+    transform: tuple[KVTransform, str] | None = None,
 ) -> dict:
+    """The level table. ``transform``: (the transform, its file name beside the table): the lossy
+    levels are then transform levels, placed by ``TRANSFORM_TARGETS``."""
     from engine.quality import query_channel_rms, reference_continuation
 
     ids = calibration_tokens(runner, texts, prefix + continuation)
@@ -224,18 +273,29 @@ def calibrate(
     levels: list[dict] = [{"name": "lossless", "scheme": "raw"}]
     measured: dict[str, dict] = {}
     seen: dict[float, dict[str, float]] = {}
-    for target in TARGETS:
-        scale, m = search_scale(runner, [ref], target, key_steps, value_steps, rms, seen=seen)
+    targets, scheme, make_level, extra = TARGETS, "quant", None, {}
+    if transform is not None:
+        t, file_name = transform
+        targets, scheme = TRANSFORM_TARGETS, "transform"
+        make_level = lambda name, k, v: transform_level(name, t, k, v)  # noqa: E731
+        extra = {"sink_tokens": SINK_TOKENS}
+    for target in targets:
+        scale, m = search_scale(
+            runner, [ref], target, key_steps, value_steps, rms, make_level=make_level, seen=seen
+        )
         measured[target.name] = {"scale": scale, **m}
         levels.append(
             {
                 "name": target.name,
-                "scheme": "quant",
+                "scheme": scheme,
                 "key_step": [round(float(v), 4) for v in scale * key_steps],
                 "value_step": [round(float(v), 4) for v in scale * value_steps],
+                **extra,
             }
         )
     log.info("calibrated in %.0f s", time.monotonic() - t0)
+    if transform is not None:
+        extra = {"transform": {"file": file_name, "digest": t.digest.hex(), "model": t.model}}
     return {
         "format": TABLE_FORMAT,
         "model": runner.loaded.name,
@@ -249,6 +309,7 @@ def calibrate(
             "measured": measured,
         },
         "key_channel_rms": np.round(rms, 4).tolist(),
+        **extra,
         "levels": levels,
     }
 
@@ -278,6 +339,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--sensitivity-from", type=Path, help="reuse the per-layer sensitivity of an earlier table"
     )
+    parser.add_argument(
+        "--transform",
+        action="store_true",
+        help="transform levels (format 5): fit a PCA transform and write it beside the table",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
@@ -288,8 +354,24 @@ def main(argv: list[str]) -> int:
     sens = None
     if args.sensitivity_from:
         sens = np.array(json.loads(args.sensitivity_from.read_text())["calibration"]["sensitivity_kl"])
-    table = calibrate(runner, texts, args.prefix_tokens, args.continuation_tokens, sens)
-    load_level_table(table)  # what we write must load
+    transform = None
+    if args.transform:
+        from engine.identity import model_identity
+
+        loaded = runner.loaded
+        weights = model_identity(
+            loaded.model, loaded.tokenizer.get_vocab(), loaded.weights_dir, precision=loaded.precision
+        ).weights
+        ids = calibration_tokens(runner, texts, TRANSFORM_TOKENS)
+        from engine.quality import query_channel_rms
+
+        t = calibrate_transform(runner, ids, query_channel_rms(runner, ids), model=weights)
+        file_name = args.out.with_suffix(".transform.safetensors").name
+        save_transform(t, args.out.parent / file_name)
+        log.info("wrote the transform %s (%s)", file_name, t.id.hex())
+        transform = (t, file_name)
+    table = calibrate(runner, texts, args.prefix_tokens, args.continuation_tokens, sens, transform)
+    load_level_table(table, args.out.parent)  # what we write must load
     args.out.write_text(format_table(table), encoding="utf-8")
     log.info("wrote %s", args.out)
     return 0

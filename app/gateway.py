@@ -71,7 +71,7 @@ def load_levels(settings: Settings) -> LevelTable:
         if settings.levels_file is None
         else json.loads(settings.levels_file.read_text())
     )
-    levels = load_level_table(table)
+    levels = load_level_table(table, None if settings.levels_file is None else settings.levels_file.parent)
     lossy = [lv for lv in levels if not lv.lossless] or list(levels)
     name = settings.min_quality or table.get("default_level") or lossy[len(lossy) // 2].name
     try:

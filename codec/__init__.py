@@ -15,15 +15,19 @@ from codec.levels import (
     Scheme,
     level_by_name,
     level_digest,
+    level_transforms,
     load_level_table,
 )
 from codec.parsed import ParsedBatch, ParsedChunk, parse_chunk, parse_chunks
+from codec.transform import KVTransform, TransformError
 
 __all__ = [
     "DEFAULT_LEVELS",
     "FORMAT_VERSION",
     "LOSSLESS",
     "Backend",
+    "KVTransform",
+    "TransformError",
     "CodecError",
     "Level",
     "LevelTableError",
@@ -40,6 +44,7 @@ __all__ = [
     "encode_chunk",
     "level_by_name",
     "level_digest",
+    "level_transforms",
     "load_level_table",
     "max_chunk_bytes",
     "raw_chunk_bytes",

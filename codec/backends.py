@@ -21,11 +21,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from codec import int8, quantized
+from codec import int8, quantized, transformed
 from codec.errors import StreamError
 from codec.int8 import Int8Body
-from codec.parsed import DenseBody, ParsedBatch, ParsedChunk, parse_chunks
+from codec.parsed import DenseBody, ParsedBatch, ParsedChunk, Transforms, parse_chunks
 from codec.quantized import QuantBody
+from codec.transformed import TransformBody
 
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -65,7 +66,8 @@ def decode_chunk_into(chunk: ParsedChunk, out: torch.Tensor) -> None:
     if isinstance(body, Int8Body):
         int8.decode_into(body, target.numpy())
     else:
-        assert isinstance(body, QuantBody)
+        quant = body.quant if isinstance(body, TransformBody) else body
+        assert isinstance(quant, QuantBody)
         layers, _, heads, tokens, dim = chunk.shape
         try:  # the rows (layer, k/v, head) of a slice of a cache buffer merge into one axis
             rows = target.view(layers * 2 * heads, tokens, dim)
@@ -73,10 +75,12 @@ def decode_chunk_into(chunk: ParsedChunk, out: torch.Tensor) -> None:
             rows = None
         if rows is None:
             scratch = np.empty((layers * 2 * heads, tokens, dim), dtype=np.float32)
-            quantized.decode_into(body, scratch)
+            quantized.decode_into(quant, scratch)
             target.copy_(torch.from_numpy(scratch).view(chunk.shape))
         else:
-            quantized.decode_into(body, rows.numpy())
+            quantized.decode_into(quant, rows.numpy())
+        if isinstance(body, TransformBody):  # coefficients to KV, in torch on the CPU
+            transformed.inverse_(body, target)
     if not direct:
         out.copy_(target)
 
@@ -105,7 +109,12 @@ def decode_into(batch: ParsedBatch, out: torch.Tensor, backend: Backend | None =
     (backend or backend_for(out.device)).decode_into(batch, out)
 
 
-def decode_chunks_into(chunks: list[bytes], out: torch.Tensor, backend: Backend | None = None) -> None:
+def decode_chunks_into(
+    chunks: list[bytes],
+    out: torch.Tensor,
+    backend: Backend | None = None,
+    transforms: Transforms | None = None,
+) -> None:
     """Parse every chunk, then decode them into consecutive tokens of ``out``: a chunk that the
     parse rejects raises ``CodecError`` before anything is decoded."""
-    decode_into(parse_chunks(chunks), out, backend)
+    decode_into(parse_chunks(chunks, transforms), out, backend)

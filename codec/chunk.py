@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from codec import container, int8, lossless, quantized
+from codec import container, int8, lossless, quantized, transformed
 from codec.backends import decode_chunk_into
 from codec.dtypes import dtype_code
 from codec.levels import Level, Scheme
-from codec.parsed import DenseBody, parse_chunk
+from codec.parsed import DenseBody, Transforms, parse_chunk
 
 
-def encode_chunk(kv: torch.Tensor, level: Level) -> bytes:
+def encode_chunk(kv: torch.Tensor, level: Level, position: int = 0) -> bytes:
+    """``position``: where the chunk's first token sits in its context (a transform level codes
+    keys before RoPE, and stores the first tokens of a context exactly)."""
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"KV chunk must be (layers, 2, kv_heads, tokens, head_dim), got {tuple(kv.shape)}")
     if level.cast is not None:
@@ -30,6 +32,10 @@ def encode_chunk(kv: torch.Tensor, level: Level) -> bytes:
         payload = quantized.encode(kv, level.quant)
     elif level.scheme is Scheme.INT8:
         payload = int8.encode(kv)
+    elif level.scheme is Scheme.TRANSFORM:
+        if not isinstance(level.quant, transformed.TransformParams):
+            raise ValueError(f"level {level.name!r} has no transform parameters")
+        payload = transformed.encode(kv, level.quant, position)
     else:  # pragma: no cover - every scheme is handled above
         raise ValueError(f"no encoder for scheme {level.scheme}")
     layers, _, heads, tokens, head_dim = kv.shape
@@ -45,7 +51,7 @@ def encode_chunk(kv: torch.Tensor, level: Level) -> bytes:
     return container.pack(header, payload)
 
 
-def decode_chunk(data: bytes | memoryview) -> torch.Tensor:
+def decode_chunk(data: bytes | memoryview, transforms: Transforms | None = None) -> torch.Tensor:
     """The KV tensor of a chunk, on the CPU.
 
     Lossless schemes return the exact dtype and bits they were given (a casting
@@ -53,7 +59,7 @@ def decode_chunk(data: bytes | memoryview) -> torch.Tensor:
     caller casts to the model's dtype). To decode straight into a model's cache,
     on its device, use ``parse_chunks`` and ``decode_into``.
     """
-    chunk = parse_chunk(data)
+    chunk = parse_chunk(data, transforms=transforms)
     if isinstance(chunk.body, DenseBody):
         return chunk.body.values.clone()  # a raw chunk's values are a read-only view of ``data``
     out = torch.empty(chunk.shape, dtype=torch.float32)

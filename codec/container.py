@@ -14,9 +14,10 @@ from codec.errors import CodecError, ShapeMismatch
 
 MAGIC = b"CGKV"
 # 2: adds the lossy QUANT scheme (scheme byte 2); 3: its side info is zstd-compressed;
-# 4: scheme 2 says whether its exact tokens are float16 or float32 (codec/BITSTREAM.md).
-FORMAT_VERSION = 4
-READ_VERSIONS = (3, 4)  # what this build decodes; it writes FORMAT_VERSION only
+# 4: scheme 2 says whether its exact tokens are float16 or float32; 5: adds scheme 4, transform
+# coding (codec/BITSTREAM.md).
+FORMAT_VERSION = 5
+READ_VERSIONS = (3, 4, 5)  # what this build decodes; it writes FORMAT_VERSION only
 
 # magic, version, scheme, dtype, layers, kv_heads, head_dim, tokens, payload_len
 _HEADER = struct.Struct("<4sHBBHHHIQ")

@@ -12,18 +12,20 @@ to do but copy them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
-from codec import container, int8, lossless, quantized
+from codec import container, int8, lossless, quantized, transformed
 from codec.dtypes import code_dtype
 from codec.errors import CodecError
 from codec.int8 import Int8Body
-from codec.levels import Scheme
+from codec.levels import Scheme, loaded_transforms
 from codec.quantized import QuantBody
+from codec.transform import KVTransform
+from codec.transformed import TransformBody
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,8 @@ class DenseBody:
     values: torch.Tensor  # (layers, 2, heads, tokens, head_dim), on the CPU
 
 
-Body = DenseBody | Int8Body | QuantBody
+Body = DenseBody | Int8Body | QuantBody | TransformBody
+Transforms = Mapping[bytes, KVTransform]  # by id: the transforms a reader decodes
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,14 @@ class ParsedBatch:
         return (layers, 2, heads, sum(c.tokens for c in self.chunks), dim)
 
 
-def parse_chunk(data: bytes | memoryview, expect: container.Shape | None = None) -> ParsedChunk:
+def parse_chunk(
+    data: bytes | memoryview, expect: container.Shape | None = None, transforms: Transforms | None = None
+) -> ParsedChunk:
     """``expect``: the shape the caller needs; a chunk of any other shape raises ``ShapeMismatch``
     from its header alone. Without it, only the codec's own bound (``container.MAX_VALUES``)
-    limits what a header may make the parse allocate."""
+    limits what a header may make the parse allocate. ``transforms``: the ones a scheme-4 chunk
+    may name (by ``KVTransform.id``), default every one a level table loaded in this process
+    named (``codec.levels.loaded_transforms``); a chunk coded with any other is refused."""
     header, payload = container.unpack(data, expect)
     dtype = code_dtype(header.dtype)
     try:
@@ -102,11 +109,17 @@ def parse_chunk(data: bytes | memoryview, expect: container.Shape | None = None)
         body = quantized.parse(payload, header.shape, header.version)
     elif scheme is Scheme.INT8:
         body = int8.parse(payload, header.shape)
+    elif scheme is Scheme.TRANSFORM:
+        if header.version < 5:
+            raise CodecError(f"scheme 4 is not part of format {header.version}")
+        body = transformed.parse(
+            payload, header.shape, header.version, loaded_transforms() if transforms is None else transforms
+        )
     else:  # pragma: no cover - every scheme is handled above
         raise CodecError(f"no decoder for scheme {scheme.name}")
     return ParsedChunk(header, body)
 
 
-def parse_chunks(chunks: Sequence[bytes | memoryview]) -> ParsedBatch:
+def parse_chunks(chunks: Sequence[bytes | memoryview], transforms: Transforms | None = None) -> ParsedBatch:
     """Parse every chunk (the first bad one raises ``CodecError``) into one batch."""
-    return ParsedBatch(tuple(parse_chunk(data) for data in chunks))
+    return ParsedBatch(tuple(parse_chunk(data, transforms=transforms) for data in chunks))

@@ -108,11 +108,20 @@ def encode(kv: torch.Tensor, p: QuantParams) -> bytes:
         raise ValueError("KV chunk has non-finite values")
     n_exact = min(p.exact_tokens, tokens)
     exact, x = x[:, :, :, :n_exact], x[:, :, :, n_exact:]
-    coded = tokens - n_exact
-    codes = step_codes(x, channel_steps(x, p) if coded else np.ones((layers, 2, heads, dim)))
+    steps = channel_steps(x, p) if tokens - n_exact else np.ones((layers, 2, heads, dim))
+    return encode_body(exact, x, steps, p.groups)
+
+
+def encode_body(exact: np.ndarray, x: np.ndarray, steps: np.ndarray, groups: int) -> bytes:
+    """The payload: ``exact`` (layers, 2, heads, E, head_dim) stored as they are, then ``x``
+    (layers, 2, heads, tokens - E, head_dim) quantized with ``steps`` (layers, 2, heads,
+    head_dim, before rounding to a step code) and entropy coded in ``groups`` streams a row."""
+    layers, _, heads, coded, dim = x.shape
+    n_exact = exact.shape[3]
+    codes = step_codes(x, steps)
     step = STEP_TABLE[codes]  # (L, 2, H, D) float32
     channels = layers * 2 * heads * dim
-    rows = np.ascontiguousarray(x.reshape(layers * 2 * heads, coded, dim))
+    rows = np.ascontiguousarray(x.reshape(layers * 2 * heads, coded, dim), dtype=np.float32)
     symbols = np.empty((channels, coded), dtype=np.uint8)
     escapes = np.empty((channels, coded), dtype=np.int16)
     family = np.empty(channels, dtype=np.uint8)
@@ -120,7 +129,7 @@ def encode(kv: torch.Tensor, p: QuantParams) -> bytes:
     b = bank()
     quantize_rows(rows, step.reshape(-1, dim), b.cost, b.freq, symbols, escapes, family, center)
 
-    cps = dim // p.groups
+    cps = dim // groups
     n_streams = channels // cps
     out = np.empty((n_streams, 3 * coded * cps + 2), dtype=np.uint16)
     lengths = np.empty(n_streams, dtype=np.int64)
@@ -129,7 +138,7 @@ def encode(kv: torch.Tensor, p: QuantParams) -> bytes:
     side = _pack_side(codes.reshape(-1), family, center)
     exact_code = _exact_dtype_code(exact)
     parts = [
-        _PREFIX.pack(p.groups, BANK_ID, n_exact, exact_code, len(side)),
+        _PREFIX.pack(groups, BANK_ID, n_exact, exact_code, len(side)),
         side,
         exact.astype(_EXACT_DTYPES[exact_code]).tobytes(),
         lengths.astype("<u4").tobytes(),

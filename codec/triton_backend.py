@@ -7,7 +7,10 @@ table index, centre and step, and the probability bank's tables once per
 device. Then one launch decodes every scheme-2 stream of the batch, one
 writes the int8 chunks and one the exact tokens; lossless chunks, already
 decompressed by the parse, are copied. Only the status of the streams comes
-back to the host, so the call waits for the kernels.
+back to the host, so the call waits for the kernels. Scheme-4 chunks decode
+their coefficients the same way, into float32 (the output itself, or a
+scratch when the output is narrower), and the transform's inverse then runs
+in torch on the device, chunk by chunk (``codec.transformed.inverse_``).
 
 Nothing here asks the CUDA driver anything: under ``TRITON_INTERPRET=1`` the
 same kernels run on CPU tensors, which is how the tests check them.
@@ -27,6 +30,7 @@ from codec.errors import StreamError
 from codec.int8 import Int8Body
 from codec.parsed import DenseBody, ParsedBatch
 from codec.quantized import QuantBody
+from codec.transformed import TransformBody, inverse_
 from codec.triton_kernels import ROW_FIELDS, STREAM_FIELDS, dense_rows, rans_dequant
 
 STREAMS_PER_PROGRAM = 128  # one lane per stream, 4 warps
@@ -74,7 +78,18 @@ class TritonBackend:
 
     def decode_into(self, batch: ParsedBatch, out: torch.Tensor) -> None:
         check_out(batch, out)
-        self.launch(upload(batch, out), out)
+        pairs = zip(batch.chunks, batch.starts, strict=True)
+        coded = [(chunk, start) for chunk, start in pairs if isinstance(chunk.body, TransformBody)]
+        if not coded:
+            self.launch(upload(batch, out), out)
+            return
+        target = out if out.dtype == torch.float32 else torch.empty(batch.shape, device=out.device)
+        self.launch(upload(batch, target), target)
+        for chunk, start in coded:
+            assert isinstance(chunk.body, TransformBody)
+            inverse_(chunk.body, target[:, :, :, start : start + chunk.tokens])
+        if target is not out:
+            out.copy_(target)
 
     def launch(self, dev: DeviceBatch, out: torch.Tensor) -> None:
         """Decode an uploaded batch into ``out``; waits for the streams' status."""
@@ -157,6 +172,8 @@ def upload(batch: ParsedBatch, out: torch.Tensor) -> DeviceBatch:
             n_codes += body.codes.size
             n_scales += body.scales.size
         else:
+            if isinstance(body, TransformBody):  # its coefficients decode as a scheme-2 body's values
+                body = body.quant
             assert isinstance(body, QuantBody)
             e = body.exact_tokens
             if e:

@@ -180,7 +180,7 @@ class ContextStore:
             chunk = kv[:, :, :, start : start + tokens]
             for level in to_encode:
                 with self.codec_gate:
-                    data = encode_chunk(chunk, level)
+                    data = encode_chunk(chunk, level, position=start)
                 digest = level_digest(level)
                 level_bytes[level.name] += len(data)
                 written.setdefault(key, {})[level.name] = StoredObject(digest=digest, bytes=len(data))

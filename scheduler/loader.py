@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -28,6 +28,7 @@ import torch
 
 from codec import (
     CodecError,
+    KVTransform,
     Level,
     ParsedBatch,
     ParsedChunk,
@@ -76,8 +77,11 @@ class PrefixLoader:
         profile: CostProfile,
         window: int = 2,
         codec_gate: AbstractContextManager[Any] | None = None,
+        transforms: Mapping[bytes, KVTransform] | None = None,
     ) -> None:
         self.store = store
+        # the transforms scheme-4 chunks may name: the level table's (None: every loaded table's)
+        self.transforms = transforms
         # held around each decode: the codec's CPU work of all requests shares the thread budget
         self.codec_gate = codec_gate or nullcontext()
         self.geometry = geometry
@@ -386,7 +390,11 @@ class _LoadRun:
         for k, f in enumerate(fetched):
             chunk = self.chunks[i + k]
             try:  # the shape is checked from the header, before the body is read or allocated
-                p = parse_chunk(f.data, expect=self.loader.geometry.chunk_shape(chunk.tokens))
+                p = parse_chunk(
+                    f.data,
+                    expect=self.loader.geometry.chunk_shape(chunk.tokens),
+                    transforms=self.loader.transforms,
+                )
             except ShapeMismatch as exc:
                 log.warning("KV chunk %d does not fit the model, recomputing from there: %s", i + k, exc)
                 fault = "shape_mismatch"

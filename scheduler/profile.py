@@ -189,7 +189,7 @@ def measure(runner: ModelRunner, levels: list[Level], chunk_size: int) -> CostPr
     out = runner.new_kv(chunk.shape[3])
     decode = {}
     for level in levels:
-        data = encode_chunk(chunk, level)
+        data = encode_chunk(chunk, level, position=chunk_size)  # a chunk after the context's first
         _decode_into(data, out)  # warm (and compile)
         decode[level.name] = min(_time(_decode_into, data, out) for _ in range(3)) / chunk_size
     return CostProfile(decode, overhead, per_token, per_position)

@@ -14,6 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,12 +22,17 @@ import torch
 
 from codec.dtypes import DTYPE_NAMES, NAME_OF_DTYPE
 from codec.quantized import DEFAULT_GROUPS, QuantParams
+from codec.transform import KVTransform, TransformError, load_transform
+from codec.transformed import TransformParams
 
 TABLE_FORMAT = "cachegen-level-table/1"
 DEFAULT_TABLE_FILE = "SmolLM2-135M-Instruct.json"
 # The default table plus the paper's baselines (fp16, int8) for benchmarks; not loaded by default,
 # so a gateway does not store every chunk twice more. Point levels_file at it to serve them.
 BASELINES_TABLE_FILE = "SmolLM2-135M-Instruct+baselines.json"
+# The format-4 levels (scheme 2 on the raw channels) the transform levels replaced: measured beside
+# them by the benchmarks, and servable with levels_file.
+V4_TABLE_FILE = "SmolLM2-135M-Instruct.v4.json"
 
 
 class Scheme(enum.IntEnum):
@@ -36,6 +42,7 @@ class Scheme(enum.IntEnum):
     ZSTD = 1
     QUANT = 2
     INT8 = 3
+    TRANSFORM = 4  # from format 5
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,7 @@ class Level:
     name: str
     scheme: Scheme
     lossless: bool = True
-    quant: QuantParams | None = field(default=None, compare=False)
+    quant: QuantParams | TransformParams | None = field(default=None, compare=False)
     cast: torch.dtype | None = None
 
     def __post_init__(self) -> None:
@@ -68,8 +75,18 @@ class LevelTableError(ValueError):
     """A level table that does not validate."""
 
 
-_LEVEL_KEYS = {"name", "scheme", "key_step", "value_step", "exact_tokens", "groups", "dtype", "comment"}
-_QUANT_KEYS = {"key_step", "value_step", "exact_tokens", "groups"}
+_LEVEL_KEYS = {
+    "name",
+    "scheme",
+    "key_step",
+    "value_step",
+    "exact_tokens",
+    "sink_tokens",
+    "groups",
+    "dtype",
+    "comment",
+}
+_QUANT_KEYS = {"key_step", "value_step", "exact_tokens", "groups", "sink_tokens"}
 
 
 def _steps(entry: dict[str, Any], key: str, where: str) -> tuple[float, ...]:
@@ -99,7 +116,7 @@ def _cast(entry: dict[str, Any], where: str) -> torch.dtype | None:
     return DTYPE_NAMES[name]
 
 
-def _level(entry: Any, rms: np.ndarray | None, index: int) -> Level:
+def _level(entry: Any, rms: np.ndarray | None, index: int, transform: KVTransform | None) -> Level:
     if not isinstance(entry, dict):
         raise LevelTableError(f"levels[{index}] must be an object")
     name = entry.get("name")
@@ -127,14 +144,33 @@ def _level(entry: Any, rms: np.ndarray | None, index: int) -> Level:
                 f"{where}: int8 takes no parameters, got {sorted(set(entry) & _QUANT_KEYS)}"
             )
         return Level(name, Scheme.INT8, lossless=False)
-    if scheme != "quant":
-        raise LevelTableError(f"{where}: scheme must be 'raw', 'zstd', 'quant' or 'int8', got {scheme!r}")
+    if scheme not in ("quant", "transform"):
+        raise LevelTableError(
+            f"{where}: scheme must be 'raw', 'zstd', 'quant', 'transform' or 'int8', got {scheme!r}"
+        )
     key_step = _steps(entry, "key_step", where)
     value_step = _steps(entry, "value_step", where)
-    if rms is not None:
+    layers = transform.layers if scheme == "transform" and transform is not None else None
+    layers = rms.shape[0] if layers is None and rms is not None else layers
+    if layers is not None:
         for steps, key in ((key_step, "key_step"), (value_step, "value_step")):
-            if len(steps) not in (1, rms.shape[0]):
-                raise LevelTableError(f"{where}: {key} needs 1 or {rms.shape[0]} entries, has {len(steps)}")
+            if len(steps) not in (1, layers):
+                raise LevelTableError(f"{where}: {key} needs 1 or {layers} entries, has {len(steps)}")
+    if scheme == "transform":
+        if transform is None:
+            raise LevelTableError(f"{where}: a transform level needs the table's transform")
+        if "exact_tokens" in entry:
+            raise LevelTableError(f"{where}: a transform level keeps sink_tokens exact, not exact_tokens")
+        tparams = TransformParams(
+            transform=transform,
+            key_step=key_step,
+            value_step=value_step,
+            sink_tokens=_int(entry, "sink_tokens", 4, 0, 65535, where),
+            groups=_int(entry, "groups", DEFAULT_GROUPS, 1, 255, where),
+        )
+        return Level(name, Scheme.TRANSFORM, lossless=False, quant=tparams)
+    if "sink_tokens" in entry:
+        raise LevelTableError(f"{where}: sink_tokens applies to transform levels only")
     params = QuantParams(
         key_step=key_step,
         value_step=value_step,
@@ -145,8 +181,11 @@ def _level(entry: Any, rms: np.ndarray | None, index: int) -> Level:
     return Level(name, Scheme.QUANT, lossless=False, quant=params)
 
 
-def load_level_table(data: dict[str, Any]) -> tuple[Level, ...]:
-    """Validated levels of a parsed level table, best quality first (the first is lossless)."""
+def load_level_table(data: dict[str, Any], directory: Path | None = None) -> tuple[Level, ...]:
+    """Validated levels of a parsed level table, best quality first (the first is lossless).
+
+    ``directory``: where the table's transform file lies (default: the shipped tables' own).
+    """
     if not isinstance(data, dict):
         raise LevelTableError("a level table is a JSON object")
     if data.get("format") != TABLE_FORMAT:
@@ -165,13 +204,63 @@ def load_level_table(data: dict[str, Any]) -> tuple[Level, ...]:
     entries = data.get("levels")
     if not isinstance(entries, list) or not entries:
         raise LevelTableError("levels must be a non-empty list")
-    levels = tuple(_level(e, rms, i) for i, e in enumerate(entries))
+    transform = _table_transform(data.get("transform"), directory)
+    levels = tuple(_level(e, rms, i, transform) for i, e in enumerate(entries))
     if not levels[0].lossless:
         raise LevelTableError("the first level must be lossless (levels are ordered best quality first)")
     names = [lv.name for lv in levels]
     if len(set(names)) != len(names):
         raise LevelTableError(f"level names repeat: {names}")
     return levels
+
+
+def _table_transform(entry: Any, directory: Path | None) -> KVTransform | None:
+    """The transform a table names: ``{"file": ..., "digest": ...}``, loaded and checked."""
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or set(entry) - {"file", "digest", "model", "comment"}:
+        raise LevelTableError("transform must be an object with a file and its digest")
+    name, digest = entry.get("file"), entry.get("digest")
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
+        raise LevelTableError(f"transform file must be a plain file name beside the table, got {name!r}")
+    if not isinstance(digest, str):
+        raise LevelTableError("transform digest must be the file's digest in hex")
+    base = Path(str(resources.files(__name__))) if directory is None else directory
+    try:
+        transform = _load_transform_cached(base / name)
+    except TransformError as exc:
+        raise LevelTableError(str(exc)) from None
+    if transform.digest.hex() != digest:
+        raise LevelTableError(f"transform {name} has digest {transform.digest.hex()}, the table names {digest}")
+    return transform
+
+
+_TRANSFORMS: dict[tuple[str, int, int], KVTransform] = {}
+
+
+def _load_transform_cached(path: Path) -> KVTransform:
+    """One load per file version and process: every table that names it shares the arrays."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise TransformError(f"{path}: cannot read the transform: {exc}") from None
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _TRANSFORMS:
+        _TRANSFORMS[key] = load_transform(path)
+    return _TRANSFORMS[key]
+
+
+def loaded_transforms() -> dict[bytes, KVTransform]:
+    """Every transform a level table loaded in this process named, by id: what a reader that
+    is not told which transforms to trust decodes with (``codec.parse_chunk``)."""
+    return {t.id: t for t in _TRANSFORMS.values()}
+
+
+def level_transforms(levels: tuple[Level, ...]) -> dict[bytes, KVTransform]:
+    """The transforms ``levels`` code with, by id: what a reader of their chunks needs."""
+    return {
+        lv.quant.transform.id: lv.quant.transform for lv in levels if isinstance(lv.quant, TransformParams)
+    }
 
 
 def shipped_level_table(file_name: str) -> dict[str, Any]:
@@ -194,7 +283,10 @@ def level_digest(level: Level) -> str:
     """
     h = hashlib.sha256(f"{level.scheme.name}".encode())
     q = level.quant
-    if q is not None:
+    if isinstance(q, TransformParams):
+        h.update(repr((q.key_step, q.value_step, q.sink_tokens, q.groups)).encode())
+        h.update(q.transform.digest)
+    elif q is not None:
         h.update(repr((q.key_step, q.value_step, q.exact_tokens, q.groups)).encode())
         if q.key_channel_rms is not None:
             h.update(np.ascontiguousarray(q.key_channel_rms, dtype=np.float64).tobytes())

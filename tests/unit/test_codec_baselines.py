@@ -23,7 +23,8 @@ from codec import (
     load_level_table,
 )
 from codec.container import HEADER_SIZE, OVERHEAD, read_header
-from codec.levels import BASELINES_TABLE_FILE, default_level_table, shipped_level_table
+from codec.levels import BASELINES_TABLE_FILE, V4_TABLE_FILE, default_level_table, shipped_level_table
+from codec.transformed import TransformParams
 
 FP16 = Level("fp16", Scheme.RAW, lossless=False, cast=torch.float16)
 INT8 = Level("int8", Scheme.INT8, lossless=False)
@@ -234,10 +235,10 @@ def test_baseline_levels_are_not_in_the_default_table() -> None:
 def test_baselines_table_sizes_shrink_in_table_order() -> None:
     levels = load_level_table(shipped_level_table(BASELINES_TABLE_FILE))
     p = levels[-1].quant
-    assert p is not None and p.key_channel_rms is not None
-    layers, heads, dim = p.key_channel_rms.shape
+    assert isinstance(p, TransformParams)
+    layers, heads, dim = p.transform.shape
     kv = torch.randn(layers, 2, heads, 64, dim, generator=torch.Generator().manual_seed(3))
-    sizes = [len(encode_chunk(kv, lv)) for lv in levels]
+    sizes = [len(encode_chunk(kv, lv, position=256)) for lv in levels]
     assert sizes == sorted(sizes, reverse=True)
 
 
@@ -278,6 +279,16 @@ def test_a_casting_level_cannot_be_first() -> None:
 def test_default_digests_are_unchanged() -> None:
     assert {lv.name: level_digest(lv) for lv in DEFAULT_LEVELS} == {
         "lossless": "ac0562bba4a57c68",
+        # the transform levels (format 5); the format-4 table's digests are pinned below
+        "high": "ec7936ea2d7e078e",
+        "medium": "b31638a8970cc6b4",
+        "low": "90045c9a5b761024",
+    }
+
+
+def test_format4_digests_are_unchanged() -> None:
+    levels = load_level_table(shipped_level_table(V4_TABLE_FILE))
+    assert {lv.name: level_digest(lv) for lv in levels if not lv.lossless} == {
         "high": "9668b89025355602",
         "medium": "80ecc416c02f4fbd",
         "low": "4d698e1edb4030ec",

@@ -28,11 +28,27 @@ _NUMPY = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<u2"}
 @pytest.mark.parametrize("name", NAMES + OLD)
 def test_golden_chunk_decodes_to_its_tensor(name: str) -> None:
     data = (GOLDEN / f"{name}.bin").read_bytes()
-    out = decode_chunk(data)
+    out = decode_chunk(data, generate.transforms())
     assert tuple(out.shape) == generate.SHAPE
     expected = np.frombuffer((GOLDEN / f"{name}.out").read_bytes(), dtype=_NUMPY[out.dtype])
     got = out.contiguous().view(torch.int16) if out.dtype == torch.bfloat16 else out.contiguous()
-    assert np.array_equal(got.numpy().reshape(-1).view(expected.dtype), expected)
+    got = got.numpy().reshape(-1).view(expected.dtype)
+    if read_header(data).scheme == 4:  # the inverse transform is a float32 matmul (generate.py)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert np.array_equal(got, expected)
+
+
+def test_transform_goldens_hold_both_sink_cases() -> None:
+    """At position 0 the sinks are exact tokens; at 300 none are, and RoPE turns far angles."""
+    t = generate.transforms()
+    sinks = decode_chunk((GOLDEN / "transform_sinks.bin").read_bytes(), t)
+    far = decode_chunk((GOLDEN / "transform_far.bin").read_bytes(), t)
+    kv = generate.golden_kv()
+    assert torch.equal(sinks[:, :, :, :4], kv[:, :, :, :4].half().float())
+    assert not torch.equal(far[:, :, :, :4], kv[:, :, :, :4].half().float())
+    for out in (sinks, far):
+        assert (out - kv).norm() < 0.01 * kv.norm()  # steps of 0.05-0.2 against a spread of +-7
 
 
 def test_old_goldens_are_there_and_say_their_version() -> None:
@@ -51,7 +67,7 @@ def test_current_goldens_are_this_format_version() -> None:
 def test_golden_chunk_is_what_this_encoder_writes(name: str) -> None:
     """Encoder determinism: a change here means the format changed (bump FORMAT_VERSION, regenerate)."""
     level = generate.golden_levels()[name]
-    data = encode_chunk(generate.golden_input(name), level)
+    data = encode_chunk(generate.golden_input(name), level, position=generate.POSITIONS.get(name, 0))
     assert data == (GOLDEN / f"{name}.bin").read_bytes()
 
 

@@ -10,6 +10,7 @@ import torch
 from codec import Level, LevelTableError, Scheme, decode_chunk, encode_chunk, load_level_table
 from codec.levels import default_level_table
 from codec.quantized import QuantParams
+from codec.transformed import TransformParams
 
 
 def test_default_table_loads_with_lossless_first_and_calibrated_keys() -> None:
@@ -17,17 +18,18 @@ def test_default_table_loads_with_lossless_first_and_calibrated_keys() -> None:
     assert levels[0].name == "lossless" and levels[0].lossless
     lossy = [lv for lv in levels if not lv.lossless]
     assert [lv.name for lv in lossy][:3] == ["high", "medium", "low"]
-    assert all(lv.quant is not None and lv.quant.key_channel_rms is not None for lv in lossy)
+    transforms = {lv.quant.transform.id for lv in lossy if isinstance(lv.quant, TransformParams)}
+    assert len(lossy) == 3 and len(transforms) == 1  # one calibrated transform for every level
 
 
 def test_lossy_levels_shrink_in_table_order() -> None:
     levels = load_level_table(default_level_table())
     p = levels[1].quant
-    assert p is not None and p.key_channel_rms is not None
-    layers, heads, dim = p.key_channel_rms.shape
+    assert isinstance(p, TransformParams)
+    layers, heads, dim = p.transform.shape
     g = torch.Generator().manual_seed(3)
     kv = torch.randn(layers, 2, heads, 64, dim, generator=g)
-    sizes = [len(encode_chunk(kv, lv)) for lv in levels]
+    sizes = [len(encode_chunk(kv, lv, position=256)) for lv in levels]
     assert sizes == sorted(sizes, reverse=True)
 
 

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import codec
-from codec import DEFAULT_LEVELS, LOSSLESS, Level, Scheme, decode_chunk, encode_chunk
+from codec import DEFAULT_LEVELS, LOSSLESS, Level, Scheme, decode_chunk, encode_chunk, load_level_table
+from codec.levels import V4_TABLE_FILE, shipped_level_table
 from codec.quantized import STEP_TABLE, QuantParams
+from codec.transformed import TransformParams, group_steps
 
 ZSTD = Level("zstd", Scheme.ZSTD)
 
@@ -45,7 +47,7 @@ def test_default_levels_are_ordered_and_named() -> None:
     names = [lv.name for lv in DEFAULT_LEVELS]
     assert names[0] == "lossless" and DEFAULT_LEVELS[0].lossless
     assert {"high", "medium", "low"} <= set(names)
-    assert codec.level_by_name("medium").quant is not None
+    assert isinstance(codec.level_by_name("medium").quant, TransformParams)
     with pytest.raises(KeyError):
         codec.level_by_name("nope")
 
@@ -65,10 +67,13 @@ def _bound(kv: torch.Tensor, p: QuantParams) -> np.ndarray:
     return 0.5 * step * 2 ** (1 / 16) * (1 + 1e-6)
 
 
+V4_LEVELS = load_level_table(shipped_level_table(V4_TABLE_FILE))
+
+
 @pytest.mark.parametrize("name", ["high", "medium", "low"])
 @pytest.mark.parametrize("tokens", [2, 37, 256])
-def test_default_lossy_levels_error_is_within_half_a_step(name: str, tokens: int) -> None:
-    level = codec.level_by_name(name)
+def test_format4_lossy_levels_error_is_within_half_a_step(name: str, tokens: int) -> None:
+    level = codec.level_by_name(name, V4_LEVELS)
     p = level.quant
     assert p is not None and p.key_channel_rms is not None
     layers, heads, dim = p.key_channel_rms.shape
@@ -114,3 +119,30 @@ def test_lossy_rejects_non_finite_input() -> None:
 
 def test_step_table_is_powers_of_two_eighths() -> None:
     assert STEP_TABLE[128] == 1.0 and STEP_TABLE[136] == 2.0 and STEP_TABLE.dtype == np.float32
+
+
+@pytest.mark.parametrize("name", ["high", "medium", "low"])
+@pytest.mark.parametrize(("tokens", "position"), [(2, 0), (37, 0), (256, 256), (100, 3000)])
+def test_default_transform_levels_error_is_within_half_a_step_of_each_coefficient(
+    name: str, tokens: int, position: int
+) -> None:
+    """Scheme 4 quantizes coefficients: transformed again, the decoded KV is within half a step of
+    the input's coefficients (the basis is orthonormal), and the sinks are the input's."""
+    level = codec.level_by_name(name)
+    p = level.quant
+    assert isinstance(p, TransformParams)
+    t = p.transform
+    layers, heads, dim = t.shape
+    kv = _kv(tokens, layers=layers, heads=heads, dim=dim)
+    out = decode_chunk(encode_chunk(kv, level, position=position))
+    assert out.dtype == torch.float32 and out.shape == kv.shape
+    sinks = min(max(p.sink_tokens - position, 0), tokens)
+    assert torch.allclose(out[:, :, :, :sinks], kv[:, :, :, :sinks].half().float())
+    coded = slice(sinks, tokens)
+    if sinks == tokens:
+        return  # all sinks: nothing coded
+    want = t.forward(kv[:, :, :, coded].numpy(), position + sinks)
+    got = t.forward(out[:, :, :, coded].numpy(), position + sinks)
+    bound = 0.5 * group_steps(p, layers)[:, :, None, None, None] * 2 ** (1 / 16)
+    # float32 round trips through the basis and RoPE add a little to the quantizer's half step
+    assert (np.abs(got - want) <= bound * 1.001 + 1e-3 * np.abs(want).max()).all()

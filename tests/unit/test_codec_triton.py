@@ -37,8 +37,11 @@ from codec import (
     parse_chunks,
 )
 from codec.backends import backend_for
+from codec.container import read_header
 from codec.levels import BASELINES_TABLE_FILE, shipped_level_table
 from codec.quantized import QuantParams
+from codec.transform import fit_transform
+from codec.transformed import TransformParams
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 RUNS_HERE = INTERPRETED or torch.cuda.is_available()
@@ -85,14 +88,14 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
-def check_batch(chunks: list[bytes], dtype: torch.dtype, pad: int = 3, be=None) -> None:
+def check_batch(chunks: list[bytes], dtype: torch.dtype, pad: int = 3, be=None, transforms=None) -> None:
     """Decode into the middle of a bigger buffer: the CPU decoder's values cast to ``dtype``,
     and nothing else of the buffer written."""
-    batch = parse_chunks(chunks)
+    batch = parse_chunks(chunks, transforms)
     layers, _, heads, tokens, dim = batch.shape
     buffer = torch.full((layers, 2, heads, tokens + 2 * pad, dim), -7.0, dtype=dtype, device=DEVICE)
     decode_into(batch, buffer[:, :, :, pad : pad + tokens], be or backend())
-    expected = torch.cat([decode_chunk(c).to(dtype) for c in chunks], dim=3)
+    expected = torch.cat([decode_chunk(c, transforms).to(dtype) for c in chunks], dim=3)
     got = buffer.cpu()
     assert torch.equal(bits(got[:, :, :, pad : pad + tokens]), bits(expected))
     assert (got[:, :, :, :pad] == -7).all() and (got[:, :, :, pad + tokens :] == -7).all()
@@ -122,11 +125,60 @@ def test_real_model_kv_at_every_level(dtype: torch.dtype) -> None:
 
 
 @in_process
-def test_golden_chunks_of_both_formats_in_one_batch() -> None:
-    files = sorted(GOLDEN.glob("*.bin")) + sorted(GOLDEN.glob("v3/*.bin"))
+def test_golden_chunks_of_every_format_in_one_batch() -> None:
+    """Formats 3, 4 and 5, scheme 4 (transform) among them, decoded in one launch."""
+    files = sorted(GOLDEN.glob("*.bin")) + sorted(GOLDEN.glob("v4/*.bin")) + sorted(GOLDEN.glob("v3/*.bin"))
     chunks = [f.read_bytes() for f in files if f.name != "model_kv.bin"]
-    assert len(chunks) >= 13
-    check_batch(chunks, torch.float32)
+    assert len(chunks) >= 22 and sum(read_header(c).scheme == 4 for c in chunks) == 2
+    check_batch(chunks, torch.float32, transforms=golden_transforms())
+
+
+def golden_transforms() -> dict:
+    from codec.transform import load_transform
+
+    t = load_transform(GOLDEN / "transform.safetensors")
+    return {t.id: t}
+
+
+def transform_level(layers: int, heads: int, dim: int, groups: int, sinks: int) -> Level:
+    """A transform fitted on random correlated KV of this shape, keys coded before RoPE."""
+    g = torch.Generator().manual_seed(heads * dim)
+    c = heads * dim
+    mixed = torch.randn(layers, 2, 64, c, generator=g) @ torch.randn(layers, 2, c, c, generator=g)
+    x = mixed.reshape(layers, 2, 64, heads, dim).permute(0, 1, 3, 2, 4)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, dim, 2) / dim)).astype(np.float32)
+    t = fit_transform(x, np.ones((layers, heads, dim)), inv_freq=inv_freq, skip_tokens=0)
+    return Level(
+        "t", Scheme.TRANSFORM, False, TransformParams(t, (0.5,), (0.3,), sink_tokens=sinks, groups=groups)
+    )
+
+
+@in_process
+@pytest.mark.parametrize(
+    ("heads", "dim", "groups", "sinks", "tokens"),
+    [
+        (1, 128, 2, 1, 3),  # head_dim 128, one KV head
+        (5, 16, 1, 0, 4),  # another GQA head count, one stream per head, no sink
+        (2, 32, 8, 3, 5),  # more, shorter streams; several sinks
+        (3, 16, 16, 2, 1),  # one token, a sink at position 0: nothing coded
+    ],
+)
+def test_transform_chunks_mixed_with_format4_schemes(
+    heads: int, dim: int, groups: int, sinks: int, tokens: int
+) -> None:
+    """Scheme-4 chunks at a context's start and far into it, beside scheme-2 and int8 chunks: the
+    integers decode bit for bit alike, and the inverse transform is the same torch code."""
+    level = transform_level(2, heads, dim, groups, sinks)
+    assert isinstance(level.quant, TransformParams)
+    transforms = {level.quant.transform.id: level.quant.transform}
+    chunks = [
+        encode_chunk(kv(tokens, 1, 2, heads, dim), level, position=0),
+        encode_chunk(kv(tokens + 2, 2, 2, heads, dim), quant(groups, 1)),
+        encode_chunk(kv(tokens, 3, 2, heads, dim), level, position=5000),
+        encode_chunk(kv(2, 4, 2, heads, dim), LEVELS["int8"]),
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        check_batch(chunks, dtype, pad=1, transforms=transforms)
 
 
 def quant(groups: int, exact: int) -> Level:

@@ -1,0 +1,285 @@
+"""The transform stage of scheme 4: a per-model linear decorrelation of each layer's keys and values.
+
+Per (layer, K/V) group, a token's KV vector ``x`` (``kv_heads * head_dim``
+values, head-major) is coded as the coefficients
+
+    y = ((x - mean) * weight) @ basis
+
+and decoded as ``x = (y @ basis.T) / weight + mean``. ``basis`` is orthonormal
+(a PCA of calibration KV, components in decreasing variance), ``weight`` puts
+keys in units of logit error (the RMS of the queries that read each channel)
+and values in units of their head's RMS, so one quantizer step per group is
+the rate-distortion choice (docs/codec.md, "Transform coding").
+
+With ``inv_freq``, keys are coded *before* rotary embedding: the encoder
+rotates them back for the chunk's positions, the decoder rotates them again.
+RoPE turns channel pairs by the token's position, which hides the keys'
+structure from a fixed basis; rotated back, the PCA finds it.
+
+A transform is calibrated once per model (``python -m app calibrate``),
+stored as a safetensors file beside the level table, and named in every chunk
+by the first 16 bytes of its digest (``KVTransform.id``), so a chunk never
+decodes under another one. ``load_transform`` checks every field of the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FILE_FORMAT = "cachegen-kv-transform/1"
+ID_BYTES = 16
+# An orthonormal basis stored in float32: columns are unit vectors within this.
+_ORTHO_TOLERANCE = 1e-3
+
+
+class TransformError(ValueError):
+    """A transform file or array that does not validate."""
+
+
+@dataclass(frozen=True, eq=False)
+class KVTransform:
+    mean: np.ndarray  # (layers, 2, C) float32, C = kv_heads * head_dim
+    weight: np.ndarray  # (layers, 2, C) float32, > 0
+    basis: np.ndarray  # (layers, 2, C, C) float32, orthonormal columns
+    kv_heads: int
+    head_dim: int
+    inv_freq: np.ndarray | None = None  # (head_dim // 2,) float32: keys coded before RoPE
+    rope_scale: float = 1.0  # the rotary embedding's attention scaling (1 for plain RoPE)
+    model: str = ""  # the fingerprint of the model it was calibrated on (engine.identity)
+    _device: dict = field(default_factory=dict, repr=False)  # per device: (decode matrix, mean)
+
+    def __post_init__(self) -> None:
+        check(self)
+
+    @property
+    def layers(self) -> int:
+        return self.mean.shape[0]
+
+    @cached_property
+    def id(self) -> bytes:
+        """What a chunk names the transform by: the digest's first ``ID_BYTES`` bytes."""
+        return self.digest[:ID_BYTES]
+
+    @cached_property
+    def digest(self) -> bytes:
+        """SHA-256 of everything that decides what a coefficient decodes to."""
+        h = hashlib.sha256(FILE_FORMAT.encode())
+        h.update(json.dumps([self.layers, self.kv_heads, self.head_dim, float(self.rope_scale)]).encode())
+        for arr in (self.mean, self.weight, self.basis):
+            h.update(np.ascontiguousarray(arr, dtype="<f4").tobytes())
+        h.update(b"rope" if self.inv_freq is not None else b"no-rope")
+        if self.inv_freq is not None:
+            h.update(np.ascontiguousarray(self.inv_freq, dtype="<f4").tobytes())
+        return h.digest()
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.layers, self.kv_heads, self.head_dim)
+
+    # -- encoding (host, numpy) --------------------------------------------------------------
+
+    def forward(self, kv: np.ndarray, position: int) -> np.ndarray:
+        """Coefficients of ``kv`` (layers, 2, heads, tokens, head_dim) whose first token is at
+        ``position``, laid out as the KV: component ``c`` of a group at ``[.., c // D, :, c % D]``."""
+        layers, _, heads, tokens, dim = kv.shape
+        x = kv.astype(np.float64)
+        if self.inv_freq is not None:
+            cos, sin = (a.double().numpy() for a in self.angles(position, tokens, torch.device("cpu")))
+            keys = x[:, 0]
+            x = x.copy()
+            x[:, 0] = (keys * cos - _rotate_half(keys) * sin) / self.rope_scale**2
+        v = x.transpose(0, 1, 3, 2, 4).reshape(layers, 2, tokens, heads * dim)
+        y = ((v - self.mean[:, :, None]) * self.weight[:, :, None]) @ self.basis.astype(np.float64)
+        return y.reshape(layers, 2, tokens, heads, dim).transpose(0, 1, 3, 2, 4).astype(np.float32)
+
+    # -- decoding (torch, on the output's device) ---------------------------------------------
+
+    def angles(self, position: int, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's (cos, sin) for ``tokens`` positions from ``position``, (tokens, head_dim),
+        float32, computed as transformers' Llama rotary embedding computes them."""
+        assert self.inv_freq is not None
+        inv_freq = torch.from_numpy(self.inv_freq).to(device)
+        positions = torch.arange(position, position + tokens, device=device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._device:
+            layers, c = self.layers, self.kv_heads * self.head_dim
+            basis = torch.from_numpy(self.basis).reshape(layers * 2, c, c)
+            weight = torch.from_numpy(self.weight).reshape(layers * 2, 1, c)
+            decode = (basis.transpose(1, 2) / weight).contiguous()  # x = y @ decode + mean
+            mean = torch.from_numpy(self.mean).reshape(layers * 2, 1, c).contiguous()
+            self._device[device] = (decode.to(device), mean.to(device))
+        return self._device[device]
+
+    def inverse_(self, values: torch.Tensor, position: int) -> None:
+        """Turn the coefficients in ``values`` (layers, 2, heads, tokens, head_dim), float32, any
+        strides, whose first token is at ``position``, into KV, in place, on their device."""
+        layers, _, heads, tokens, dim = values.shape
+        if tokens == 0:
+            return
+        decode, mean = self._on(values.device)
+        y = values.permute(0, 1, 3, 2, 4).reshape(layers * 2, tokens, heads * dim)
+        x = torch.baddbmm(mean, y, decode).view(layers, 2, tokens, heads, dim).permute(0, 1, 3, 2, 4)
+        if self.inv_freq is not None:
+            cos, sin = self.angles(position, tokens, values.device)
+            keys = x[:, 0]
+            x = torch.stack((keys * cos + _rotate_half_t(keys) * sin, x[:, 1]), dim=1)
+        values.copy_(x)
+
+
+def _rotate_half(x: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def _rotate_half_t(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def check(t: KVTransform) -> None:
+    """Every field's shape, dtype and range; the basis orthonormal. Raises ``TransformError``."""
+    if t.kv_heads < 1 or t.head_dim < 2 or t.head_dim % 2:
+        raise TransformError(f"bad transform dimensions: {t.kv_heads} heads of {t.head_dim}")
+    c = t.kv_heads * t.head_dim
+    for name, arr, tail in (("mean", t.mean, (c,)), ("weight", t.weight, (c,)), ("basis", t.basis, (c, c))):
+        if not isinstance(arr, np.ndarray) or arr.dtype != np.float32:
+            raise TransformError(f"transform {name} must be a float32 array")
+        if arr.ndim != 2 + len(tail) or arr.shape[1] != 2 or arr.shape[2:] != tail or arr.shape[0] < 1:
+            raise TransformError(f"transform {name} has shape {arr.shape}, expected (layers, 2, *{tail})")
+        if not np.isfinite(arr).all():
+            raise TransformError(f"transform {name} holds non-finite values")
+    if t.weight.shape[0] != t.mean.shape[0] or t.basis.shape[0] != t.mean.shape[0]:
+        raise TransformError("transform arrays disagree on the number of layers")
+    if (t.weight <= 0).any():
+        raise TransformError("transform weights must be positive")
+    b = t.basis.astype(np.float64)
+    gram = b.transpose(0, 1, 3, 2) @ b
+    if np.abs(gram - np.eye(c)).max() > _ORTHO_TOLERANCE:
+        raise TransformError("transform basis is not orthonormal")
+    if not math.isfinite(t.rope_scale) or t.rope_scale <= 0:
+        raise TransformError(f"transform rope_scale must be a positive number, got {t.rope_scale!r}")
+    if t.inv_freq is not None:
+        f = t.inv_freq
+        if not isinstance(f, np.ndarray) or f.dtype != np.float32 or f.shape != (t.head_dim // 2,):
+            raise TransformError(f"transform inv_freq must be float32 of shape ({t.head_dim // 2},)")
+        if not np.isfinite(f).all() or (f < 0).any():
+            raise TransformError("transform inv_freq must be finite and non-negative")
+
+
+def save_transform(t: KVTransform, path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    tensors = {"mean": t.mean, "weight": t.weight, "basis": t.basis}
+    if t.inv_freq is not None:
+        tensors["inv_freq"] = t.inv_freq
+    meta = {
+        "format": FILE_FORMAT,
+        "kv_heads": str(t.kv_heads),
+        "head_dim": str(t.head_dim),
+        "rope_scale": repr(float(t.rope_scale)),
+        "model": t.model,
+        "digest": t.digest.hex(),
+    }
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata=meta)
+
+
+def load_transform(path: Path) -> KVTransform:
+    """Read and check a transform file (safetensors: no code runs on load)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            names = set(f.keys())
+            if meta.get("format") != FILE_FORMAT:
+                raise TransformError(f"{path}: not a {FILE_FORMAT} file")
+            unknown = names - {"mean", "weight", "basis", "inv_freq"}
+            if unknown or not {"mean", "weight", "basis"} <= names:
+                raise TransformError(f"{path}: unexpected tensors {sorted(names)}")
+            arrays = {name: f.get_tensor(name) for name in names}
+    except (SafetensorError, OSError) as exc:
+        raise TransformError(f"{path}: cannot read the transform: {exc}") from None
+    try:
+        heads, dim, scale = int(meta["kv_heads"]), int(meta["head_dim"]), float(meta["rope_scale"])
+    except (KeyError, ValueError) as exc:
+        raise TransformError(f"{path}: bad metadata: {exc}") from None
+    t = KVTransform(
+        mean=arrays["mean"],
+        weight=arrays["weight"],
+        basis=arrays["basis"],
+        kv_heads=heads,
+        head_dim=dim,
+        inv_freq=arrays.get("inv_freq"),
+        rope_scale=scale,
+        model=meta.get("model", ""),
+    )
+    if meta.get("digest") not in (None, t.digest.hex()):
+        raise TransformError(f"{path}: the arrays do not match the digest the file names")
+    return t
+
+
+def fit_transform(
+    kv: torch.Tensor,
+    key_weight: np.ndarray,
+    inv_freq: np.ndarray | None = None,
+    rope_scale: float = 1.0,
+    skip_tokens: int = 4,
+    model: str = "",
+) -> KVTransform:
+    """Calibrate a transform on ``kv`` (layers, 2, heads, tokens, head_dim) of one context from
+    position 0 (its first ``skip_tokens``, the attention sinks, left out).
+
+    ``key_weight`` (layers, heads, head_dim): the RMS of the queries that read each key channel,
+    so that key coefficients are in units of logit error. Values are weighted by their head's
+    RMS. The basis is the eigenvectors of the weighted vectors' covariance, largest first.
+    """
+    layers, _, heads, tokens, dim = kv.shape
+    c = heads * dim
+    x = kv.detach().to(device="cpu", dtype=torch.float64).numpy()
+    if inv_freq is not None:
+        probe = KVTransform(
+            mean=np.zeros((layers, 2, c), np.float32),
+            weight=np.ones((layers, 2, c), np.float32),
+            basis=np.broadcast_to(np.eye(c, dtype=np.float32), (layers, 2, c, c)).copy(),
+            kv_heads=heads,
+            head_dim=dim,
+            inv_freq=np.asarray(inv_freq, dtype=np.float32),
+            rope_scale=rope_scale,
+        )
+        x = probe.forward(x, 0).astype(np.float64)  # identity basis: keys rotated back, nothing else
+    x = x[:, :, :, skip_tokens:]
+    v = x.transpose(0, 1, 3, 2, 4).reshape(layers, 2, -1, c)
+    weight = np.empty((layers, 2, c))
+    weight[:, 0] = np.asarray(key_weight, dtype=np.float64).reshape(layers, c)
+    head_rms = np.sqrt(np.mean(np.square(x[:, 1]), axis=(2, 3)))  # (layers, heads)
+    weight[:, 1] = np.repeat(1.0 / np.maximum(head_rms, 1e-12), dim, axis=1)
+    mean = v.mean(axis=2)
+    y = (v - mean[:, :, None]) * weight[:, :, None]
+    cov = y.transpose(0, 1, 3, 2) @ y / y.shape[2]
+    _, vectors = np.linalg.eigh(cov)  # ascending
+    basis = vectors[..., ::-1]
+    # a sign per component, so that a refit on the same data gives the same bytes
+    peak = np.take_along_axis(basis, np.argmax(np.abs(basis), axis=-2)[..., None, :], axis=-2)
+    basis = basis * np.where(peak < 0, -1.0, 1.0)
+    return KVTransform(
+        mean=mean.astype(np.float32),
+        weight=weight.astype(np.float32),
+        basis=np.ascontiguousarray(basis, dtype=np.float32),
+        kv_heads=heads,
+        head_dim=dim,
+        inv_freq=None if inv_freq is None else np.asarray(inv_freq, dtype=np.float32),
+        rope_scale=rope_scale,
+        model=model,
+    )
