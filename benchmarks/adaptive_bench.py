@@ -146,6 +146,7 @@ def summarize_fixed(records: list[dict]) -> list[dict]:
             "int8": ratio(row["ttft_s"], peers.get("int8")),
             "fp16": ratio(row["ttft_s"], peers.get("fp16")),
             "memory_hot": ratio(row["ttft_s"], peers.get("memory-hot lossless")),
+            "auto_v4": ratio(row["ttft_s"], peers.get("auto v4")),
             "best_fixed": ratio(row["ttft_s"], min(fixed)) if fixed else None,
         }
     return rows
@@ -163,6 +164,8 @@ def check_fixed_targets(rows: list[dict]) -> list[dict]:
             targets += [("<= 0.6 x int8", vs["int8"], 0.6), ("<= 0.4 x fp16", vs["fp16"], 0.4)]
         if rate == 200:
             targets.append(("<= 1.5 x memory-hot lossless", vs["memory_hot"], 1.5))
+            if row["method"] == "auto":  # issue 18: the transform levels against format 4's
+                targets.append(("<= 0.6 x auto on format 4's levels", vs["auto_v4"], 0.6))
         if rate == 1000:
             targets.append(("within 10% of the best fixed level", vs["best_fixed"], 1.1))
         if rate == 200 and row["context"] == 4096 and row["ttft_s"] is not None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -26,6 +28,21 @@ from tests.gateway_process import GatewayProcess, free_port
 from tests.support.seaweed import SeaweedServer
 
 BASELINES_TABLE = "codec/levels/SmolLM2-135M-Instruct+baselines.json"
+# the format-4 levels (scheme 2 on raw channels) that the transform levels replaced, run beside them
+# under the names v4-high, v4-medium, v4-low (a store's index holds one object per level name)
+V4_TABLE = "codec/levels/SmolLM2-135M-Instruct.v4.json"
+V4_RENAMED = Path(tempfile.gettempdir()) / "cachegen-bench-v4-levels.json"
+TABLES = {"baselines": BASELINES_TABLE, "v4": str(V4_RENAMED), "default": None}
+
+
+def write_v4_table() -> None:
+    """Format 4's table with its lossy levels renamed ``v4-<name>`` (``TABLES["v4"]``)."""
+    table = json.loads((REPO / V4_TABLE).read_text())
+    for level in table["levels"]:
+        if level["scheme"] != "raw":
+            level["name"] = f"v4-{level['name']}"
+    table["default_level"] = f"v4-{table['default_level']}"
+    V4_RENAMED.write_text(json.dumps(table))
 FIXED_LEVELS = ("fp16", "int8", "lossless", "high", "medium", "low")
 VALUES_PER_TOKEN = 30 * 2 * 3 * 64  # SmolLM2-135M: layers x (K, V) x KV heads x head dim
 LLAMA_CPP_WARM_4K_S = 0.69  # llama.cpp, warm prefix hit of a ~4K-token context on this machine
@@ -56,7 +73,7 @@ def question(i: int) -> str:
 class Method:
     name: str
     extra: dict[str, Any]  # request extension fields
-    baselines: bool = True  # gateway on the baselines level table (else the default table)
+    table: str = "baselines"  # the gateway's level table: a key of TABLES
     lru: bool = False  # in-memory LRU on (else every read goes over the link)
     warm_up: bool = False  # one request before the measured one, in the same process
 
@@ -64,10 +81,13 @@ class Method:
 def fixed_rate_methods(slo_ms: float | None) -> list[Method]:
     methods = [Method("recompute", {"kv_cache": False})]
     methods += [Method(level, {"kv_quality": level}) for level in FIXED_LEVELS]
-    methods.append(Method("auto", {"kv_quality": "auto"}, baselines=False))
+    methods.append(Method("auto", {"kv_quality": "auto"}, table="default"))
+    # format 4's levels and auto on them, in the same run (issue 18: old against new codec)
+    methods += [Method(f"v4-{lv}", {"kv_quality": f"v4-{lv}"}, table="v4") for lv in ("high", "medium", "low")]
+    methods.append(Method("auto v4", {"kv_quality": "auto"}, table="v4"))
     if slo_ms is not None:
-        methods.append(Method("auto+slo", {"kv_quality": "auto", "kv_slo_ms": slo_ms}, baselines=False))
-    hot = Method("memory-hot lossless", {"kv_quality": "lossless"}, baselines=False, lru=True, warm_up=True)
+        methods.append(Method("auto+slo", {"kv_quality": "auto", "kv_slo_ms": slo_ms}, table="default"))
+    hot = Method("memory-hot lossless", {"kv_quality": "lossless"}, table="default", lru=True, warm_up=True)
     return [*methods, hot]
 
 
@@ -84,15 +104,15 @@ class Bench:
     torch_threads: int | None
     log_level: str
 
-    def gateway_env(self, endpoint: str, *, baselines: bool, lru: bool) -> dict[str, str]:
+    def gateway_env(self, endpoint: str, *, table: str, lru: bool) -> dict[str, str]:
         env = {
             **self.server.env(),
             "AWS_ENDPOINT_URL": endpoint,
             "CACHEGEN_STORE": f"s3://{self.bucket}/adaptive",
             "CACHEGEN_LOG_LEVEL": self.log_level,
         }
-        if baselines:
-            env["CACHEGEN_LEVELS_FILE"] = str(REPO / BASELINES_TABLE)
+        if TABLES[table] is not None:
+            env["CACHEGEN_LEVELS_FILE"] = str(REPO / TABLES[table])
         if not lru:
             env["CACHEGEN_STORE_CACHE_BYTES"] = "0"
         if self.torch_threads is not None:
@@ -100,7 +120,7 @@ class Bench:
         return env
 
     def gateway(self, endpoint: str, method: Method, log_name: str) -> GatewayProcess:
-        env = self.gateway_env(endpoint, baselines=method.baselines, lru=method.lru)
+        env = self.gateway_env(endpoint, table=method.table, lru=method.lru)
         return GatewayProcess(env, self.log_dir / f"{log_name}.log")
 
 
@@ -278,20 +298,24 @@ class Context:
         }
 
 
-def pre_encode(bench: Bench, contexts: list[Context]) -> None:
-    """Every context at every level of the baselines table, straight to SeaweedFS (no proxy)."""
-    method = Method("encode", {})
-    with bench.gateway(bench.server.endpoint_url, method, "encode") as gw:
+def pre_encode(bench: Bench, contexts: list[Context], tables: tuple[str, ...] = ("baselines", "v4")) -> None:
+    """Every context at every level of the baselines table and of format 4's table (its levels
+    named ``v4-<level>``), straight to SeaweedFS (no proxy)."""
+    write_v4_table()
+    for table in tables:
+        _pre_encode(bench, contexts, table)
+
+
+def _pre_encode(bench: Bench, contexts: list[Context], table: str) -> None:
+    method = Method("encode", {}, table=table)
+    with bench.gateway(bench.server.endpoint_url, method, f"encode-{table}") as gw:
         for ctx in contexts:
             body = {"messages": [{"role": "system", "content": ctx.text}]}
             r = httpx.post(f"{gw.url}/contexts", json=body, timeout=1800)
             r.raise_for_status()
             created = r.json()
-            ctx.tokens, ctx.bytes, ctx.encode_seconds = (
-                created["tokens"],
-                created["bytes"],
-                created["encode_seconds"],
-            )
+            ctx.tokens, ctx.encode_seconds = created["tokens"], created["encode_seconds"]
+            ctx.bytes = {**ctx.bytes, **created["bytes"]}
             print(
                 f"encoded {ctx.tokens} tokens in {ctx.encode_seconds:.1f} s: "
                 + ", ".join(f"{lv} {n / 1e6:.1f} MB" for lv, n in ctx.bytes.items()),

@@ -120,7 +120,7 @@ def summarize_trace(records: list[dict], slo_s: float) -> dict:
 def trace_methods(names: list[str], slo_ms: float) -> list[Method]:
     methods = {"recompute": Method("recompute", {"kv_cache": False})}
     methods |= {lv: Method(lv, {"kv_quality": lv}) for lv in FIXED_LEVELS}
-    methods["auto"] = Method("auto", {"kv_quality": "auto", "kv_slo_ms": slo_ms}, baselines=False)
+    methods["auto"] = Method("auto", {"kv_quality": "auto", "kv_slo_ms": slo_ms}, table="default")
     return [methods[name] for name in names if name != "high"]
 
 

@@ -124,10 +124,16 @@ def run(args: argparse.Namespace) -> dict:
     from engine.quality import continuation_quality, passkey_answer, passkey_task, reference_continuation
 
     torch.manual_seed(0)
-    levels = DEFAULT_LEVELS
+    tables = [(None, DEFAULT_LEVELS)]
     if args.levels_file:
-        levels = load_level_table(json.loads(Path(args.levels_file).read_text()))
-    methods = {lv.name: level_method(lv) for lv in levels if not lv.lossless}
+        files = [Path(f) for f in args.levels_file]
+        tables = [(f, load_level_table(json.loads(f.read_text()), f.parent)) for f in files]
+    methods = {}
+    for path, levels in tables:
+        # several tables, measured in one run: their levels are named "<table>/<level>"
+        label = path.stem.removeprefix("SmolLM2-135M-Instruct").lstrip(".+") if path else ""
+        prefix = f"{label or 'default'}/" if len(tables) > 1 else ""
+        methods |= {prefix + lv.name: level_method(lv) for lv in levels if not lv.lossless}
     if not args.no_baselines:
         methods.update(BASELINES)
     runner = ModelRunner(load_model(args.model, dtype=args.dtype))
@@ -215,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dtype", default="auto", help="as CACHEGEN_DTYPE: auto, float32, bf16-weights, bfloat16"
     )
-    parser.add_argument("--levels-file", help="level table JSON to measure instead of the default")
+    parser.add_argument(
+        "--levels-file",
+        action="append",
+        help="level table JSON to measure instead of the default; repeat it to compare tables in one run",
+    )
     parser.add_argument("--texts", type=int, default=4)
     parser.add_argument("--extra-texts", type=Path, help="a directory of *.txt files to measure as well")
     parser.add_argument("--prefix-tokens", type=int, default=2048)

@@ -7,7 +7,14 @@ chunks of 256 tokens, median of ``--repeat`` runs, with zstd on the fp16
 bytes (level 1 and 3) measured in the same process as the yardstick: the
 machine is shared, so ratios are steadier than absolute figures.
 
-Coder efficiency compares the coded streams with the ideal size of the same
+The default (transform, format 5) levels and the format-4 table's levels
+(``v4/...``) run on the same chunk: the second 256 tokens of a text, so a
+transform level codes every token (only a context's first tokens are kept
+exactly). A transform level's decode includes its inverse transform, whose
+share is given apart (``inverse_ms``: the matmul per layer and K/V and the
+RoPE rotation, in torch on the CPU).
+
+Coder efficiency (scheme 2 levels) compares the coded streams with the ideal size of the same
 symbols under the stored model (sum of -log2 p, escapes' raw 16 bits
 included), and with the order-0 empirical entropy per channel.
 """
@@ -26,9 +33,12 @@ import numpy as np
 import torch
 import zstandard
 
-from codec import DEFAULT_LEVELS, decode_chunk, encode_chunk, quantized, rans
+from codec import DEFAULT_LEVELS, Scheme, decode_chunk, encode_chunk, load_level_table, quantized, rans
 from codec.container import unpack
 from codec.entropy_model import bank
+from codec.levels import V4_TABLE_FILE, shipped_level_table
+from codec.parsed import parse_chunk
+from codec.transformed import inverse_
 
 
 def real_kv(tokens: int) -> torch.Tensor:
@@ -36,8 +46,8 @@ def real_kv(tokens: int) -> torch.Tensor:
 
     runner = ModelRunner(load_model())
     text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
-    ids = runner.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
-    return runner.compute_kv(ids)
+    ids = runner.tokenizer(text, add_special_tokens=False)["input_ids"][: 2 * tokens]
+    return runner.compute_kv(ids)[:, :, :, tokens:].contiguous()  # the second chunk
 
 
 def timed(fn, repeat: int) -> float:
@@ -113,17 +123,24 @@ def main(argv: list[str] | None = None) -> int:
             "decode_mb_s": mb / timed(lambda: dec.decompress(blob), args.repeat),  # noqa: B023
             "bits_per_value": 8 * len(blob) / kv.numel(),
         }
-    for level in DEFAULT_LEVELS:
-        data = encode_chunk(kv, level)  # also compiles (numba cache) before timing
+    v4_table = load_level_table(shipped_level_table(V4_TABLE_FILE))
+    v4 = [("v4/" + lv.name, lv) for lv in v4_table if not lv.lossless]
+    position = args.tokens  # the chunk's place in its text
+    for name, level in [(lv.name, lv) for lv in DEFAULT_LEVELS] + v4:
+        data = encode_chunk(kv, level, position=position)  # also compiles (numba cache) before timing
         decode_chunk(data)
         entry = {
-            "encode_mb_s": mb / timed(lambda: encode_chunk(kv, level), args.repeat),  # noqa: B023
+            "encode_mb_s": mb / timed(lambda: encode_chunk(kv, level, position=position), args.repeat),  # noqa: B023, E501
             "decode_mb_s": mb / timed(lambda: decode_chunk(data), args.repeat),  # noqa: B023
             "bits_per_value": 8 * len(data) / kv.numel(),
         }
-        if not level.lossless:
+        if level.scheme is Scheme.QUANT:
             entry |= efficiency(data)
-        results[level.name] = entry
+        if level.scheme is Scheme.TRANSFORM:
+            body = parse_chunk(data).body
+            scratch = torch.zeros(kv.shape)
+            entry["inverse_ms"] = 1e3 * timed(lambda: inverse_(body, scratch), args.repeat)  # noqa: B023
+        results[name] = entry
     zstd_dec = results["zstd-1 on fp16"]["decode_mb_s"]
     for entry in results.values():
         entry["decode_vs_zstd1"] = entry["decode_mb_s"] / zstd_dec
@@ -146,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         eff = (
             f"{e['coded_over_model']:11.4f} {e['model_over_empirical']:8.4f}"
             if "coded_over_model" in e
-            else ""
+            else (f"  inverse transform {e['inverse_ms']:.1f} ms" if "inverse_ms" in e else "")
         )
         print(
             f"{name:16s} {e['bits_per_value']:8.3f} {e['encode_mb_s']:9.1f} {e['decode_mb_s']:9.1f} "

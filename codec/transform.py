@@ -88,17 +88,34 @@ class KVTransform:
 
     def forward(self, kv: np.ndarray, position: int) -> np.ndarray:
         """Coefficients of ``kv`` (layers, 2, heads, tokens, head_dim) whose first token is at
-        ``position``, laid out as the KV: component ``c`` of a group at ``[.., c // D, :, c % D]``."""
+        ``position``, laid out as the KV: component ``c`` of a group at ``[.., c // D, :, c % D]``.
+        In float32 (torch, on the CPU): the encoder is not part of the format."""
         layers, _, heads, tokens, dim = kv.shape
-        x = kv.astype(np.float64)
-        if self.inv_freq is not None:
-            cos, sin = (a.double().numpy() for a in self.angles(position, tokens, torch.device("cpu")))
-            keys = x[:, 0]
-            x = x.copy()
-            x[:, 0] = (keys * cos - _rotate_half(keys) * sin) / self.rope_scale**2
-        v = x.transpose(0, 1, 3, 2, 4).reshape(layers, 2, tokens, heads * dim)
-        y = ((v - self.mean[:, :, None]) * self.weight[:, :, None]) @ self.basis.astype(np.float64)
-        return y.reshape(layers, 2, tokens, heads, dim).transpose(0, 1, 3, 2, 4).astype(np.float32)
+        x = torch.from_numpy(np.asarray(kv, dtype=np.float32))
+        # a copy, always (the caller's array is never written), token-major
+        v = x.permute(0, 1, 3, 2, 4).clone(memory_format=torch.contiguous_format)
+        if self.inv_freq is not None:  # keys rotated back: x * cos - rotate_half(x) * sin, / scale^2
+            cos, sin = self.angles(position, tokens, torch.device("cpu"))
+            half = dim // 2
+            cos, sin = cos[:, None, :half] / self.rope_scale**2, sin[:, None, :half] / self.rope_scale**2
+            keys = v[:, 0]
+            first, second = keys[..., :half], keys[..., half:]
+            unrotated_first = first * cos + second * sin
+            second.mul_(cos).addcmul_(first, sin, value=-1.0)
+            first.copy_(unrotated_first)
+        encode, mean = self._encoder()
+        y = torch.einsum("gtc,gcd->gtd", v.reshape(layers * 2, tokens, heads * dim).sub_(mean), encode)
+        return y.view(layers, 2, tokens, heads, dim).permute(0, 1, 3, 2, 4).contiguous().numpy()
+
+    def _encoder(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight-scaled basis, mean) per group, on the CPU: y = (x - mean) @ encode."""
+        if "encode" not in self._device:
+            layers, c = self.layers, self.kv_heads * self.head_dim
+            basis = torch.from_numpy(self.basis).reshape(layers * 2, c, c)
+            weight = torch.from_numpy(self.weight).reshape(layers * 2, c, 1)
+            mean = torch.from_numpy(self.mean).reshape(layers * 2, 1, c)
+            self._device["encode"] = ((basis * weight).contiguous(), mean.contiguous())
+        return self._device["encode"]
 
     # -- decoding (torch, on the output's device) ---------------------------------------------
 
@@ -130,22 +147,24 @@ class KVTransform:
             return
         decode, mean = self._on(values.device)
         y = values.permute(0, 1, 3, 2, 4).reshape(layers * 2, tokens, heads * dim)
-        x = torch.baddbmm(mean, y, decode).view(layers, 2, tokens, heads, dim).permute(0, 1, 3, 2, 4)
+        # one matmul per group (einsum picks a faster bmm layout than baddbmm here: 12 against 15 ms)
+        x = torch.einsum("gtc,gcd->gtd", y, decode).add_(mean).view(layers, 2, tokens, heads, dim)
         if self.inv_freq is not None:
             cos, sin = self.angles(position, tokens, values.device)
+            half = dim // 2
+            # RoPE in place on the keys, half by half: the angles of channel c and c + D/2 are equal
+            cos, sin = cos[:, None, :half], sin[:, None, :half]  # (tokens, 1, D/2): over the heads
             keys = x[:, 0]
-            x = torch.stack((keys * cos + _rotate_half_t(keys) * sin, x[:, 1]), dim=1)
-        values.copy_(x)
+            first, second = keys[..., :half], keys[..., half:]
+            rotated_first = first * cos - second * sin
+            second.mul_(cos).addcmul_(first, sin)
+            first.copy_(rotated_first)
+        values.copy_(x.permute(0, 1, 3, 2, 4))
 
 
 def _rotate_half(x: np.ndarray) -> np.ndarray:
     half = x.shape[-1] // 2
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-
-
-def _rotate_half_t(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def check(t: KVTransform) -> None:

@@ -159,7 +159,15 @@ def _broken(name: str) -> dict:
 
 @pytest.mark.parametrize(
     "name",
-    ["nan_mean", "zero_weight", "not_orthonormal", "float64", "bad_inv_freq", "layers_disagree", "rope_scale"],
+    [
+        "nan_mean",
+        "zero_weight",
+        "not_orthonormal",
+        "float64",
+        "bad_inv_freq",
+        "layers_disagree",
+        "rope_scale",
+    ],
 )
 def test_a_broken_transform_is_refused(name: str) -> None:
     with pytest.raises(TransformError):
@@ -201,3 +209,15 @@ def test_refitting_gives_the_same_bytes() -> None:
     """Deterministic fit (eigenvector signs fixed), so two machines calibrating agree."""
     assert _transform(1).digest == T1.digest
     assert _transform(1, rope=False).digest != T1.digest
+
+
+@pytest.mark.parametrize("heads", [1, HEADS])
+def test_encoding_never_writes_its_input(heads: int) -> None:
+    """The encoder rotates keys back in a copy, whatever the shape (a one-head permute is a view)."""
+    kv = torch.randn(LAYERS, 2, heads, 5, DIM)
+    t = fit_transform(
+        torch.randn(LAYERS, 2, heads, 64, DIM), np.ones((LAYERS, heads, DIM)), inv_freq=T1.inv_freq
+    )
+    before = kv.clone()
+    encode_chunk(kv, _level(t), position=9)
+    assert torch.equal(kv, before)
