@@ -69,11 +69,13 @@ TARGETS = (
     LevelTarget("medium", max_bits=2.2),
     LevelTarget("low", max_bits=1.25),
 )
-# Transform levels are bit budgets (issue 18): what each costs in quality is the benchmark's to say.
+# Transform levels are bit budgets (issue 18's 3.0, 1.3 and 0.8 bits/value, with a margin): what
+# each costs in quality is the benchmark's to say. Held-out text costs more bits than the
+# calibration text at one scale: 7%, 9.5% and 8% more (high, medium, low; docs/codec.md).
 TRANSFORM_TARGETS = (
-    LevelTarget("high", max_bits=3.0),
-    LevelTarget("medium", max_bits=1.3),
-    LevelTarget("low", max_bits=0.8),
+    LevelTarget("high", max_bits=2.8),
+    LevelTarget("medium", max_bits=1.18),
+    LevelTarget("low", max_bits=0.74),
 )
 TRANSFORM_TOKENS = 4096  # calibration tokens for the PCA (192 x 192 covariances per group)
 SINK_TOKENS = 4  # a context's first positions, stored exactly by transform levels

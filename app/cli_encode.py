@@ -179,8 +179,9 @@ def _encode(args: argparse.Namespace, texts: list[tuple[Path, str]], prog: str) 
     logging.basicConfig(level=logging.WARNING)
     from app.build import build_gateway
     from app.gateway import load_levels
+    from engine.loading import pick_device
 
-    known = [level.name for level in load_levels(settings).levels]
+    known = [level.name for level in load_levels(settings, pick_device(settings.device).type).levels]
     unknown = [name for name in args.levels or settings.encode_levels or [] if name not in known]
     if unknown:
         return print_failure(prog, f"unknown levels {', '.join(unknown)}; known: {', '.join(known)}")

@@ -28,7 +28,7 @@ from app.protocol import (
 )
 from app.settings import Settings
 from codec import Level, level_by_name
-from codec.levels import default_level_table, load_level_table
+from codec.levels import V4_TABLE_FILE, default_level_table, load_level_table, shipped_level_table
 from engine import ModelRunner
 from engine.sampling import SamplingParams
 from scheduler.collection_lease import CollectionLease
@@ -58,8 +58,18 @@ class LevelTable:
     distortion: dict[str, float]  # quality loss per level, for the planner (0 = exact)
 
 
-def load_levels(settings: Settings) -> LevelTable:
-    """The level table; the quality floor of ``auto`` without a budget; each level's distortion.
+def builtin_table(device_type: str) -> dict[str, Any]:
+    """The built-in table for a model on ``device_type``: the transform levels (format 5) on a
+    GPU, where their inverse transform (a 1.1-GFLOP matmul a 256-token chunk) is nearly free; the
+    format-4 levels on a CPU, where it costs more decode time than its smaller chunks save on a
+    link faster than about 40 Mbit/s (docs/codec.md, "Transform levels": 3.1 s against 1.9 s of
+    TTFT for a stored 4K context at 200 Mbit/s on 2 cores)."""
+    return default_level_table() if device_type == "cuda" else shipped_level_table(V4_TABLE_FILE)
+
+
+def load_levels(settings: Settings, device_type: str = "cpu") -> LevelTable:
+    """The level table (``levels_file``, else ``builtin_table``); the quality floor of ``auto``
+    without a budget; each level's distortion.
 
     The floor is ``min_quality`` when set; else the table's ``default_level``;
     else the middle one of its lossy levels. Distortion is the KL divergence the
@@ -67,7 +77,7 @@ def load_levels(settings: Settings) -> LevelTable:
     else a stand-in that grows 4x per level, as measured tables do.
     """
     table = (
-        default_level_table()
+        builtin_table(device_type)
         if settings.levels_file is None
         else json.loads(settings.levels_file.read_text())
     )

@@ -164,7 +164,7 @@ def check_fixed_targets(rows: list[dict]) -> list[dict]:
             targets += [("<= 0.6 x int8", vs["int8"], 0.6), ("<= 0.4 x fp16", vs["fp16"], 0.4)]
         if rate == 200:
             targets.append(("<= 1.5 x memory-hot lossless", vs["memory_hot"], 1.5))
-            if row["method"] == "auto":  # issue 18: the transform levels against format 4's
+            if row["method"] == "auto transform":  # issue 18: the transform levels against format 4's
                 targets.append(("<= 0.6 x auto on format 4's levels", vs["auto_v4"], 0.6))
         if rate == 1000:
             targets.append(("within 10% of the best fixed level", vs["best_fixed"], 1.1))

@@ -32,7 +32,9 @@ BASELINES_TABLE = "codec/levels/SmolLM2-135M-Instruct+baselines.json"
 # under the names v4-high, v4-medium, v4-low (a store's index holds one object per level name)
 V4_TABLE = "codec/levels/SmolLM2-135M-Instruct.v4.json"
 V4_RENAMED = Path(tempfile.gettempdir()) / "cachegen-bench-v4-levels.json"
-TABLES = {"baselines": BASELINES_TABLE, "v4": str(V4_RENAMED), "default": None}
+TRANSFORM_TABLE = "codec/levels/SmolLM2-135M-Instruct.json"  # format 5's transform levels
+# "default": the gateway's built-in table (on a CPU, format 4's levels: app.gateway.builtin_table)
+TABLES = {"baselines": BASELINES_TABLE, "v4": str(V4_RENAMED), "transform": TRANSFORM_TABLE, "default": None}
 
 
 def write_v4_table() -> None:
@@ -85,6 +87,7 @@ def fixed_rate_methods(slo_ms: float | None) -> list[Method]:
     # format 4's levels and auto on them, in the same run (issue 18: old against new codec)
     methods += [Method(f"v4-{lv}", {"kv_quality": f"v4-{lv}"}, table="v4") for lv in ("high", "medium", "low")]
     methods.append(Method("auto v4", {"kv_quality": "auto"}, table="v4"))
+    methods.append(Method("auto transform", {"kv_quality": "auto"}, table="transform"))
     if slo_ms is not None:
         methods.append(Method("auto+slo", {"kv_quality": "auto", "kv_slo_ms": slo_ms}, table="default"))
     hot = Method("memory-hot lossless", {"kv_quality": "lossless"}, table="default", lru=True, warm_up=True)

@@ -1,4 +1,8 @@
-"""Every codec level, end to end: pre-encoded through the API, then answering through it."""
+"""Every codec level, end to end: pre-encoded through the API, then answering through it.
+
+Twice: on the gateway's built-in table (on a CPU, format 4's levels) and on the transform levels
+of format 5 (``codec/levels/SmolLM2-135M-Instruct.json``, the built-in table on a GPU).
+"""
 
 from __future__ import annotations
 
@@ -17,12 +21,17 @@ pytestmark = pytest.mark.slow
 LEVELS = [level.name for level in DEFAULT_LEVELS]
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory) -> Iterator[GatewayProcess]:
+TRANSFORM_TABLE = Path(__file__).resolve().parents[2] / "codec" / "levels" / "SmolLM2-135M-Instruct.json"
+
+
+@pytest.fixture(scope="module", params=["builtin", "transform"])
+def gateway(request, tmp_path_factory) -> Iterator[GatewayProcess]:
     """Without the prefix cache: every request here must load the store's levels, not KV that an
     earlier request left in memory."""
     root = tmp_path_factory.mktemp("levels")
     env = {"CACHEGEN_STORE": f"file://{root / 'store'}", "CACHEGEN_PREFIX_CACHE": "false"}
+    if request.param == "transform":
+        env["CACHEGEN_LEVELS_FILE"] = str(TRANSFORM_TABLE)
     with GatewayProcess(env, root / "gateway.log") as proc:
         yield proc
 
