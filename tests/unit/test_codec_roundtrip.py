@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -121,10 +123,13 @@ def test_step_table_is_powers_of_two_eighths() -> None:
     assert STEP_TABLE[128] == 1.0 and STEP_TABLE[136] == 2.0 and STEP_TABLE.dtype == np.float32
 
 
+GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
+
+
 @pytest.mark.parametrize("name", ["high", "medium", "low"])
-@pytest.mark.parametrize(("tokens", "position"), [(2, 0), (37, 0), (256, 256), (100, 3000)])
+@pytest.mark.parametrize(("tokens", "position"), [(2, 0), (37, 0), (256, 256), (100, 3000), ("model", 0), ("model", 700)])
 def test_default_transform_levels_error_is_within_half_a_step_of_each_coefficient(
-    name: str, tokens: int, position: int
+    name: str, tokens: int | str, position: int
 ) -> None:
     """Scheme 4 quantizes coefficients: transformed again, the decoded KV is within half a step of
     the input's coefficients (the basis is orthonormal), and the sinks are the input's."""
@@ -133,7 +138,11 @@ def test_default_transform_levels_error_is_within_half_a_step_of_each_coefficien
     assert isinstance(p, TransformParams)
     t = p.transform
     layers, heads, dim = t.shape
-    kv = _kv(tokens, layers=layers, heads=heads, dim=dim)
+    if tokens == "model":  # the default model's own KV of a text's first 4 tokens, its sink among them
+        kv = decode_chunk((GOLDEN / "model_kv.bin").read_bytes()).float()
+    else:
+        kv = _kv(tokens, layers=layers, heads=heads, dim=dim)
+    tokens = kv.shape[3]
     out = decode_chunk(encode_chunk(kv, level, position=position))
     assert out.dtype == torch.float32 and out.shape == kv.shape
     sinks = min(max(p.sink_tokens - position, 0), tokens)
