@@ -359,14 +359,13 @@ def main(argv: list[str]) -> int:
     transform = None
     if args.transform:
         from engine.identity import model_identity
+        from engine.quality import query_channel_rms
 
         loaded = runner.loaded
         weights = model_identity(
             loaded.model, loaded.tokenizer.get_vocab(), loaded.weights_dir, precision=loaded.precision
         ).weights
         ids = calibration_tokens(runner, texts, TRANSFORM_TOKENS)
-        from engine.quality import query_channel_rms
-
         t = calibrate_transform(runner, ids, query_channel_rms(runner, ids), model=weights)
         file_name = args.out.with_suffix(".transform.safetensors").name
         save_transform(t, args.out.parent / file_name)

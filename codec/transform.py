@@ -96,19 +96,18 @@ class KVTransform:
         v = x.permute(0, 1, 3, 2, 4).clone(memory_format=torch.contiguous_format)
         if self.inv_freq is not None:
             rope_(v[:, 0], self.inv_freq, self.rope_scale, position, inverse=True)
-        encode, mean = self._encoder()
+        encode, mean = self._encoder
         y = torch.einsum("gtc,gcd->gtd", v.reshape(layers * 2, tokens, heads * dim).sub_(mean), encode)
         return y.view(layers, 2, tokens, heads, dim).permute(0, 1, 3, 2, 4).contiguous().numpy()
 
+    @cached_property
     def _encoder(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight-scaled basis, mean) per group, on the CPU: y = (x - mean) @ encode."""
-        if "encode" not in self._device:
-            layers, c = self.layers, self.kv_heads * self.head_dim
-            basis = torch.from_numpy(self.basis).reshape(layers * 2, c, c)
-            weight = torch.from_numpy(self.weight).reshape(layers * 2, c, 1)
-            mean = torch.from_numpy(self.mean).reshape(layers * 2, 1, c)
-            self._device["encode"] = ((basis * weight).contiguous(), mean.contiguous())
-        return self._device["encode"]
+        layers, c = self.layers, self.kv_heads * self.head_dim
+        basis = torch.from_numpy(self.basis).reshape(layers * 2, c, c)
+        weight = torch.from_numpy(self.weight).reshape(layers * 2, c, 1)
+        mean = torch.from_numpy(self.mean).reshape(layers * 2, 1, c)
+        return (basis * weight).contiguous(), mean.contiguous()
 
     # -- decoding (torch, on the output's device) ---------------------------------------------
 
