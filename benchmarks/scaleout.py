@@ -46,12 +46,14 @@ import httpx
 from app.threads import available_cores
 from benchmarks.stats import percentile
 from benchmarks.workload import QUESTIONS, build_contexts, keywords, load_tokenizer, pre_encode
+from scheduler.loader import FETCH_WINDOW
 from tests.gateway_process import GatewayProcess
 from tests.support.router import RouterProcess, router_binary
 from tests.support.seaweed import SeaweedServer
 
 POLICIES = ("cache_aware", "round_robin")
 KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M at fp32: K and V, 30 layers, 3 KV heads of 64
+STORE_HIT_CONTEXTS = (0, 1, 2)  # the contexts whose first load measures a store hit's costs
 
 
 def zipf_draws(n_contexts: int, count: int, s: float, seed: int) -> list[int]:
@@ -111,32 +113,99 @@ def decode_pairs(urls: list[str], model: str, context: str, max_tokens: int) -> 
         return list(pool.map(one, jobs))
 
 
+def engine_busy_s(url: str) -> float:
+    """The step loop's time in forward passes so far (``cachegen:engine_busy_seconds``)."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("cachegen:engine_busy_seconds "):
+            return float(line.split()[-1])
+    raise RuntimeError(f"{url}/metrics has no cachegen:engine_busy_seconds")
+
+
+def memory_hit_split(client: httpx.Client, url: str, model: str, context: str, repeats: int = 5) -> dict[str, float]:
+    """Memory hits with one output token, one at a time: the TTFT, and of it the step loop's
+    forward pass (the question's prefill) and the rest (HTTP, tokenization, planning, the
+    stream's first event), each the median over ``repeats``."""
+    ttfts, steps = [], []
+    for i in range(repeats):
+        busy = engine_busy_s(url)
+        r = chat(client, model, context, f"Question {i}: who is mentioned first?", 1)
+        steps.append(engine_busy_s(url) - busy)
+        ttfts.append(r["ttft_s"])
+    return {
+        "ttft_s": statistics.median(ttfts),
+        "step_s": statistics.median(steps),
+        "overhead_s": statistics.median(t - s for t, s in zip(ttfts, steps, strict=True)),
+    }
+
+
+def router_overhead(urls: list[str], root: Path, model: str, context: str, repeats: int = 5) -> float:
+    """What ``cache_aware`` routing adds to a memory hit's TTFT: the same hit through vllm-router
+    (which renders every request on every worker first) and straight to the replica it picks,
+    alternating; the median of the differences."""
+    with RouterProcess(urls, "cache_aware", root / "router-costs.log") as router:
+        with httpx.Client(base_url=router.url, timeout=600) as via:
+            first = chat(via, model, context, "Where does it start?", 1)  # warms the router's prefix tree
+            direct_url = {g: u for g, u in zip("ab", urls, strict=False)}[first["kv"]["replica"]]
+            with httpx.Client(base_url=direct_url, timeout=600) as direct:
+                gaps = []
+                for i in range(repeats):
+                    routed = chat(via, model, context, f"Routed {i}: who is mentioned first?", 1)["ttft_s"]
+                    straight = chat(direct, model, context, f"Direct {i}: who is mentioned first?", 1)["ttft_s"]
+                    gaps.append(routed - straight)
+    return max(0.0, statistics.median(gaps))
+
+
 def measure_costs(
-    a: GatewayProcess, b: GatewayProcess, model: str, contexts: list[str], stored: list[dict], max_tokens: int
+    a: GatewayProcess,
+    b: GatewayProcess,
+    model: str,
+    contexts: list[str],
+    stored: list[dict],
+    max_tokens: int,
+    root: Path,
 ) -> dict:
-    """Replica A alone (B stopped), one client: a store hit (cold memory), the same context hot,
-    and decode speed at batch 1 and 2: the per-replica costs the simulation starts from. Then both
-    replicas decoding two sequences each at once: how much this host slows a replica when the
-    two share its cores (the simulation's replay of this run applies it; its grid, one replica
-    per machine, does not)."""
+    """Replica A alone (B stopped), one client: a store hit (cold memory), the same context hot
+    (split into the step loop's prefill and the per-request overhead around it), and decode speed
+    at batch 1 and 2: the per-replica costs the simulation starts from. Then both replicas
+    decoding two sequences each at once: how much this host slows a replica when the two share
+    its cores (the simulation's replay of this run applies it; its grid, one replica per machine,
+    does not), and what the router adds to a request."""
     with a, httpx.Client(base_url=a.url, timeout=600) as client:
-        cold = chat(client, model, contexts[0], "What is this about?", max_tokens)
+        chunk_tokens = client.get("/get_server_info").json()["chunk_size"]
+        # a fresh process's first store hit pays its start-up (the store's first connection and
+        # index read, the link estimate, the codec's first calls): 1.5-2x a later one. Discard it.
+        chat(client, model, contexts[-1], "What is this about?", max_tokens)
+        colds = [chat(client, model, contexts[k], "What is this about?", max_tokens) for k in STORE_HIT_CONTEXTS]
         hot = chat(client, model, contexts[0], "Who is mentioned first?", max_tokens)
+        split = memory_hit_split(client, a.url, model, contexts[0])
         long = chat(client, model, contexts[0], "Tell more.", 8 * max_tokens)
         pair = decode_pairs([a.url], model, contexts[0], 8 * max_tokens)
         with b:
             shared = decode_pairs([a.url, b.url], model, contexts[0], 8 * max_tokens)
-    chunks = cold["kv"]["chunks"]
+            routing_s = router_overhead([a.url, b.url], root, model, contexts[0])
     stored_tokens = stored[0]["cached_tokens"]
+    # the store hits' figures per token (their sums over their tokens), at context 0's length
+    scale = stored_tokens / sum(stored[k]["cached_tokens"] for k in STORE_HIT_CONTEXTS)
+    chunks = [c for cold in colds for c in cold["kv"]["chunks"]]
     per_token_2 = max(per_token(r) for r in pair)
     return {
         "context_tokens": stored_tokens,
-        "store_hit_ttft_s": cold["ttft_s"],
+        "store_hit_ttft_s": scale * sum(cold["ttft_s"] for cold in colds),
         "memory_hit_ttft_s": hot["ttft_s"],
-        "store_fetch_s": sum(c["fetch_ms"] for c in chunks) / 1e3,
-        "store_decode_s": sum(c["decode_ms"] for c in chunks) / 1e3,
-        "store_bytes": sum(c["bytes"] for c in chunks),
+        "memory_hit_step_s": split["step_s"],  # of a memory hit's TTFT, the step loop's prefill
+        "request_overhead_s": split["overhead_s"],  # the rest: HTTP, tokenization, planning
+        "router_overhead_s": routing_s,  # what cache_aware routing adds to a request's TTFT
+        "store_fetch_s": scale * sum(c["fetch_ms"] for c in chunks) / 1e3,
+        "store_decode_s": scale * sum(c["decode_ms"] for c in chunks) / 1e3,
+        "store_bytes": scale * sum(c["bytes"] for c in chunks),
         "store_chunks": len(chunks),
+        "store_hits": [
+            {"tokens": stored[k]["cached_tokens"], "ttft_s": cold["ttft_s"], "bytes": sum(c["bytes"] for c in cold["kv"]["chunks"])}
+            for k, cold in zip(STORE_HIT_CONTEXTS, colds, strict=True)
+        ],  # fmt: skip
+        # a load reserves KV memory for the fetched chunks it holds beside its own KV, in tokens
+        # (scheduler/loader.py, PrefixLoader.staging_bytes: the fetch window and the chunk decoding)
+        "load_staging_tokens": (FETCH_WINDOW + 1) * chunk_tokens,
         "decode_s_per_token_batch1": per_token(long),
         "decode_s_per_token_batch2": per_token_2,  # each of two sequences decoding together
         "colocated_slowdown": statistics.fmean(per_token(r) for r in shared) / per_token_2,
@@ -241,6 +310,12 @@ def main() -> None:
     # the 8 contexts' KV is 1.1 GB at fp32: each replica holds about half of it
     p.add_argument("--kv-memory-mb", type=int, default=560, help="each replica's KV memory")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--levels", default="medium",
+        help="the levels each context is stored at. One level (the default) makes every store hit "
+        "load the same bytes, in the cost measurement and in the runs alike; with several, auto "
+        "picks per request from its link estimate, and the two can differ (1.5-2x the bytes in one run)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/scaleout.json"))
     args = p.parse_args()
     if router_binary() is None:
@@ -258,7 +333,7 @@ def main() -> None:
             "CACHEGEN_STORE": f"s3://{bucket}/kv",
             "CACHEGEN_STORE_CACHE_BYTES": "0",
             "CACHEGEN_KV_MEMORY_BYTES": str(args.kv_memory_mb * 2**20),
-            "CACHEGEN_ENCODE_LEVELS": "high,medium,low",
+            "CACHEGEN_ENCODE_LEVELS": args.levels,
             # two replicas on this host's cores: a core each. With the default (the model thread's
             # OpenMP team on every core) two busy replicas spin against each other: a decode step
             # took 10x as long (docs/scaleout.md)
@@ -270,7 +345,7 @@ def main() -> None:
                 model = client.get("/v1/models").json()["data"][0]["id"]
                 stored = pre_encode(client, contexts, None)
         # fresh processes: the contexts are in the store only
-        costs = measure_costs(gateways[0], gateways[1], model, contexts, stored, args.max_tokens)
+        costs = measure_costs(gateways[0], gateways[1], model, contexts, stored, args.max_tokens, root)
         print(f"per-replica costs: {json.dumps(costs)}")
         runs = [run_policy(policy, gateways, root, model, contexts, args, seaweed.pid) for policy in POLICIES]
     shutil.rmtree(root, ignore_errors=True)

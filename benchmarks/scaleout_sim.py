@@ -6,21 +6,26 @@
 Two replicas on a 2-core machine cannot show throughput scaling, so this is a discrete-event
 model fed with what ``benchmarks/scaleout.py`` measured on one replica (its ``costs``):
 
-- **A replica** is a processor-sharing server over one core: each store hit decoding its
-  fetched chunks takes an equal share, and so does the step loop's batch as a whole (decodes
-  and prompt prefills), whose step at batch n costs ``n**beta`` solo steps; beta from the measured decode time per token at batch 1 and 2 (beta 1: batching
-  gains nothing; 0: a batch costs what one sequence does).
-- **A request** is a prompt phase, then ``max_tokens`` decode steps. Its prompt is a memory hit
-  (the replica's prefix cache holds the context: the measured memory-hit TTFT, per context
-  token, a step-loop job) or a store hit: an S3 fetch of the context's bytes (the measured
-  per-stream rate, shared under ``--s3-gbps`` over all replicas), then, as in the gateway, the
-  decode of those bytes into KV on the prepare threads (the measured ``store_decode_s``, per
-  token; a CPU share of its own), then the question's prefill on the step loop (the rest of the
-  measured store-hit TTFT, per token; batched like a memory hit's).
+- **A replica** is one core. Its step loop runs one step at a time, as the gateway's does: a
+  step holds a token of every decoding sequence (n of them cost ``n**beta`` solo steps; beta
+  from the measured decode time per token at batch 1 and 2) and the prefill of every prompt
+  ready when it began, so a prompt that arrives mid-step waits for the next one. Each store hit
+  decoding its fetched chunks (the prepare threads) takes an equal share of the core beside the
+  step loop.
+- **A request** first spends the measured per-request overhead (HTTP, tokenization, planning:
+  a memory hit's TTFT less its prefill step) and, under ``cache_aware``, what routing adds
+  (vllm-router renders every request on every worker first; both measured by ``scaleout``).
+  Then its prompt is a memory hit (the replica's prefix cache holds the context: a prefill step
+  of the measured cost, per context token) or a store hit: an S3 fetch of the context's bytes
+  (the measured per-stream rate, shared under ``--s3-gbps`` over all replicas), then the decode
+  of those bytes into KV (the measured ``store_decode_s``, per token; a CPU share of its own),
+  then the question's prefill step (the rest of the measured store-hit TTFT, per token). The
+  prefill step gives the first token; ``max_tokens - 1`` decode steps follow.
 - **Memory** is each replica's KV budget as an LRU over contexts (a loaded context stays in the
   prefix cache). As in the gateway, a request on a context in memory attaches its KV rather
   than copying it (its own few tokens are left out), and a context that running requests read
-  is not evicted; a store hit's KV being loaded takes its room first.
+  is not evicted; a store hit's KV, from its fetch on, takes its room first, and so does the
+  staging its load reserves for fetched chunks until they are decoded.
 - **The router**: ``round_robin`` in turn; ``cache_aware`` as vllm-router decides: the replica a
   context was last routed to (its prefix tree), unless the in-flight counts are imbalanced
   (difference > 64 and ratio > 1.5), and the least loaded replica for a context never seen.
@@ -31,8 +36,9 @@ policies), averaged over seeds, and prints how far each figure is from the measu
 the two replicas shared one 2-core host with each other, the S3 server, the router and the
 clients, so the replay slows the CPU costs by what was measured of that: the co-location
 factor (both replicas decoding at once against one alone) and the share of the cores the other
-processes used over the run. The grid assumes a machine per replica and uses the solo costs. What it leaves out: tokenization and HTTP, the router's own latency, recompute of
-contexts the store lacks, and the prefix tree's eviction.
+processes used over the run. The grid assumes a machine per replica and uses the solo costs.
+What it leaves out: the CPU the router's renders take on every worker, recompute of contexts
+the store lacks, and the prefix tree's eviction.
 """
 
 from __future__ import annotations
@@ -61,51 +67,58 @@ POLICIES = ("cache_aware", "round_robin")
 class Costs:
     """Per-replica costs, from ``benchmarks/scaleout.py``'s ``costs``."""
 
-    memory_hit_s_per_token: float  # prompt phase of a memory hit, CPU
+    memory_hit_s_per_token: float  # a memory hit's prefill step (the question over its context), CPU
     store_decode_s_per_token: float  # a store hit's decode of fetched chunks into KV, CPU (prepare threads)
-    store_cpu_s_per_token: float  # the rest of a store hit's prompt (the question's prefill), CPU (the step loop)
+    store_cpu_s_per_token: float  # a store hit's prefill step after its load (the question), CPU
     store_bytes_per_token: float
     s3_stream_bytes_per_s: float  # one fetch, alone
     decode_s_per_token: float  # one sequence, batch 1
-    beta: float  # batch n runs each sequence at n**-beta of its solo speed
+    beta: float  # a step of n decodes costs n**beta solo steps
     kv_bytes_per_token: int
     colocated_slowdown: float  # the measuring host: CPU work runs this much slower with both replicas busy
+    request_overhead_s: float = 0.0  # a request's time outside the step loop: HTTP, tokenization, planning
+    router_overhead_s: float = 0.0  # what cache_aware routing adds (vllm-router renders on every worker)
+    load_staging_tokens: int = 0  # KV memory a store hit's load holds for its fetched chunks, in tokens
 
     @classmethod
     def from_measured(cls, m: dict[str, Any]) -> Costs:
         tokens = m["context_tokens"]
         d1, d2 = m["decode_s_per_token_batch1"], m["decode_s_per_token_batch2"]
+        # runs before the split was measured (run 8) count a memory hit's whole TTFT as its step
+        overhead = m.get("request_overhead_s", 0.0)
+        store_prefill = m["store_hit_ttft_s"] - m["store_fetch_s"] - m["store_decode_s"] - overhead
         return cls(
-            memory_hit_s_per_token=m["memory_hit_ttft_s"] / tokens,
+            memory_hit_s_per_token=m.get("memory_hit_step_s", m["memory_hit_ttft_s"]) / tokens,
             store_decode_s_per_token=m["store_decode_s"] / tokens,
-            store_cpu_s_per_token=max(m["store_hit_ttft_s"] - m["store_fetch_s"] - m["store_decode_s"], 0.0) / tokens,
+            store_cpu_s_per_token=max(store_prefill, 0.0) / tokens,
             store_bytes_per_token=m["store_bytes"] / tokens,
             s3_stream_bytes_per_s=m["store_bytes"] / max(m["store_fetch_s"], 1e-6),
             decode_s_per_token=d1,
             beta=min(1.0, max(0.0, math.log2(max(d2, 1e-9) / d1))),
             kv_bytes_per_token=m["kv_bytes_per_token"],
             colocated_slowdown=m["colocated_slowdown"],
+            request_overhead_s=overhead,
+            router_overhead_s=m.get("router_overhead_s", 0.0),
+            load_staging_tokens=m.get("load_staging_tokens", 0),  # none before run 9
         )
 
-    def on_host(self, host_cpu: dict[str, float] | None, wall_s: float, replicas: int) -> Costs:
-        """These costs on the measuring host, where the replicas share its cores with each other
-        (``colocated_slowdown``) and with the S3 server, the router and the clients: what those
-        used of the cores over the run (``host_cpu``, measured) the replicas did not have."""
+    def colocated(self) -> Costs:
+        """These costs where replicas share a host, beyond waiting for a core (which the
+        simulation models): the measured slowdown of two replicas decoding at once, each on a
+        core, against one alone (memory bandwidth and caches). The request overhead is the
+        gateway's own CPU work too, and slows alike."""
         f = self.colocated_slowdown
-        if host_cpu is not None:
-            per_replica = host_cpu["cores"] / replicas
-            left = per_replica - host_cpu["others_s"] / wall_s / replicas
-            f *= min(per_replica, 1.0) / max(min(left, 1.0), 0.1)
         return dataclasses.replace(
             self,
             memory_hit_s_per_token=self.memory_hit_s_per_token * f,
             store_decode_s_per_token=self.store_decode_s_per_token * f,
             store_cpu_s_per_token=self.store_cpu_s_per_token * f,
             decode_s_per_token=self.decode_s_per_token * f,
+            request_overhead_s=self.request_overhead_s * f,
         )
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     client: int
     context: int
@@ -113,33 +126,47 @@ class Job:
     started: float
     replica: int
     hot: bool = False
-    phase: str = "fetch"  # fetch (S3, not CPU) -> load (CPU; store hits) -> prompt (CPU) -> decode (CPU)
-    remaining: float = 0.0  # bytes in fetch, CPU seconds at solo speed otherwise
+    # route (a delay: the router, HTTP, tokenization) -> fetch (S3; store hits) -> load (CPU, the
+    # prepare threads; store hits) -> prompt (its prefill, one step) -> decode (a token a step)
+    phase: str = "route"
+    remaining: float = 0.0  # seconds (route), bytes (fetch), CPU seconds at solo speed (load, prompt)
+    tokens_left: int = 0  # decode
     ttft: float | None = None
-
-    @property
-    def batched(self) -> bool:
-        """In the model's ragged step: decoding, or prefilling the question once its context's KV
-        is in memory (attached from the prefix cache, or just loaded), so that the step holds
-        only the question's tokens."""
-        return self.phase in ("decode", "prompt")
 
 
 @dataclass
 class Replica:
+    """Two threads, as the measured gateways ran: the step loop (torch, one thread) and the codec
+    (numba, one thread), which the store hits decoding their fetched chunks share in equal parts
+    (work that does not batch). The step loop runs one step at a time, as the gateway's does: a
+    step holds every decoding sequence (a token each; n of them cost ``n**beta`` solo steps) and
+    the prefill of every prompt that was ready when it began. A prompt that arrives while a step
+    is in flight waits for the next."""
+
     capacity_tokens: int
     memory: OrderedDict[int, int] = field(default_factory=OrderedDict)  # context -> tokens, LRU first
-    cpu: list[Job] = field(default_factory=list)
+    loads: list[Job] = field(default_factory=list)
+    ready: list[Job] = field(default_factory=list)  # prompts for the next step
+    running: list[Job] = field(default_factory=list)  # decoding
+    step: list[Job] = field(default_factory=list)  # the step in flight
+    step_left: float = 0.0  # its CPU seconds at solo speed
     in_flight: int = 0
 
-    def speeds(self, beta: float) -> list[float]:
-        """How fast each job on the CPU runs against its solo speed. The replica's core is shared,
-        in equal parts, by each decode of fetched chunks in progress (work that does not batch)
-        and by the step loop's batch as a whole, whose step at batch n costs ``n**beta`` times a
-        solo step."""
-        batched = sum(j.batched for j in self.cpu)
-        shares = len(self.cpu) - batched + (1 if batched else 0)
-        return [1.0 / (shares * batched**beta) if j.batched else 1.0 / shares for j in self.cpu]
+    @property
+    def busy_threads(self) -> int:
+        return bool(self.step) + bool(self.loads)
+
+    def start_step(self, costs: Costs) -> None:
+        if self.step or not (self.ready or self.running):
+            return
+        n = len(self.running)
+        self.step_left = sum(j.remaining for j in self.ready) + (costs.decode_s_per_token * n**costs.beta if n else 0.0)
+        self.step = self.ready + self.running
+        self.ready = []
+
+    def others(self, job: Job) -> list[Job]:
+        prompts = [j for j in self.step if j.phase == "prompt"]
+        return [j for j in self.loads + self.ready + self.running + prompts if j is not job]
 
     def lookup(self, context: int) -> bool:
         if context in self.memory:
@@ -147,19 +174,24 @@ class Replica:
             return True
         return False
 
-    def admit(self, context: int, tokens: int, loading_tokens: int, in_use: set[int]) -> None:
+    def admit(self, context: int, tokens: int, reserved: int, in_use: set[int]) -> None:
         """Keep ``context`` in the prefix cache, evicting the least recently used contexts that no
-        running request reads, to fit beside the KV of store hits still loading."""
-        budget = self.capacity_tokens - loading_tokens
-        if tokens > budget:
+        running request reads, to fit beside the ``reserved`` KV of store hits still loading."""
+        if tokens > self.capacity_tokens - reserved:
             return
         self.memory[context] = tokens
         self.memory.move_to_end(context)
+        self.make_room(reserved, in_use | {context})
+
+    def make_room(self, reserved: int, in_use: set[int]) -> None:
+        """Evict the least recently used contexts that no running request reads until the cache
+        fits beside ``reserved`` tokens, as a request's KV reservation does in the gateway."""
+        budget = self.capacity_tokens - reserved
         held = sum(self.memory.values())
         for old in list(self.memory):
             if held <= budget:
                 break
-            if old not in in_use and old != context:
+            if old not in in_use:
                 held -= self.memory.pop(old)
 
 
@@ -195,12 +227,18 @@ def simulate(
     s3_bytes_per_s: float,
     zipf: float,
     seed: int,
+    shared_cores: float | None = None,
 ) -> dict[str, float]:
+    """``shared_cores``: every replica's threads share that many cores (the measuring host);
+    None: each replica has a machine of its own, where its two threads never wait for a core."""
     rng = random.Random(seed)
     n_ctx = len(context_tokens)
     cum = list(_cumulative([1.0 / (k + 1) ** zipf for k in range(n_ctx)]))
     pool = [Replica(kv_memory_bytes // costs.kv_bytes_per_token) for _ in range(replicas)]
     router = Router(policy, pool)
+    # round_robin's router only forwards; cache_aware first renders the request on every worker
+    route_s = costs.request_overhead_s + (costs.router_overhead_s if policy == "cache_aware" else 0.0)
+    routing: list[Job] = []
     fetching: list[Job] = []
     done: list[Job] = []
     issued = 0
@@ -210,68 +248,110 @@ def simulate(
     tokens_after_warmup = 0
 
     def issue(client: int) -> None:
-        nonlocal issued, bytes_fetched
+        nonlocal issued
         issued += 1
         k = _draw(cum, rng)
         r = router.pick(k)
-        rep = pool[r]
-        rep.in_flight += 1
-        job = Job(client, k, context_tokens[k], now, r, hot=rep.lookup(k))
+        pool[r].in_flight += 1
+        routing.append(Job(client, k, context_tokens[k], now, r, remaining=route_s))
+
+    def arrive(job: Job) -> None:
+        nonlocal bytes_fetched
+        rep = pool[job.replica]
+        job.hot = rep.lookup(job.context)
         if job.hot:
             job.phase, job.remaining = "prompt", job.tokens * costs.memory_hit_s_per_token
-            rep.cpu.append(job)
+            rep.ready.append(job)
         else:
-            job.remaining = job.tokens * costs.store_bytes_per_token
+            job.phase, job.remaining = "fetch", job.tokens * costs.store_bytes_per_token
             if issued > warmup:
                 bytes_fetched += job.remaining
             fetching.append(job)
+            # its KV and its staging are reserved before the fetch: room is made now
+            others = on_replica(job)
+            rep.make_room(reserved(others + [job]), {j.context for j in others if j.hot})
+
+    def on_replica(job: Job) -> list[Job]:
+        return pool[job.replica].others(job) + [j for j in fetching if j.replica == job.replica and j is not job]
+
+    def reserved(jobs: list[Job]) -> int:
+        """The KV memory that store hits among ``jobs`` hold while they load, in tokens."""
+        loading = sum(j.tokens for j in jobs if not j.hot and j.phase != "decode")
+        return loading + costs.load_staging_tokens * sum(j.phase in ("fetch", "load") for j in jobs)
+
+    def finish(job: Job) -> None:
+        nonlocal counted_start, tokens_after_warmup
+        pool[job.replica].in_flight -= 1
+        done.append(job)
+        if len(done) == warmup:
+            counted_start = now
+        if len(done) > warmup:
+            tokens_after_warmup += max_tokens
+        if issued < requests + warmup:
+            issue(job.client)
+
+    def end_step(rep: Replica) -> None:
+        finished, rep.step = rep.step, []
+        for job in finished:
+            if job.phase == "prompt":  # its prefill step gave the first token
+                job.ttft = now - job.started
+                others = on_replica(job)
+                rep.admit(job.context, job.tokens, reserved(others), {j.context for j in others})
+                job.phase, job.tokens_left = "decode", max_tokens - 1
+                if job.tokens_left > 0:
+                    rep.running.append(job)
+                else:
+                    finish(job)
+            else:
+                job.tokens_left -= 1
+                if job.tokens_left == 0:
+                    rep.running.remove(job)
+                    finish(job)
 
     for c in range(clients):
         issue(c)
+    eps = 1e-12
     while len(done) < requests + warmup:
-        # the next event: a fetch or a CPU phase ending
+        for rep in pool:
+            rep.start_step(costs)
+        # the next event: a request reaching its replica, a fetch, a load or a step ending
         fetch_rate = min(costs.s3_stream_bytes_per_s, s3_bytes_per_s / len(fetching)) if fetching else 0.0
-        dt = math.inf
+        thread = 1.0  # how fast a busy thread runs against a core of its own
+        if shared_cores is not None:
+            thread = min(1.0, shared_cores / max(1, sum(rep.busy_threads for rep in pool)))
+        dt = min((j.remaining for j in routing), default=math.inf)
         for job in fetching:
             dt = min(dt, job.remaining / fetch_rate)
-        speeds = [rep.speeds(costs.beta) for rep in pool]
-        for rep, rep_speeds in zip(pool, speeds, strict=True):
-            for j, speed in zip(rep.cpu, rep_speeds, strict=True):
-                dt = min(dt, j.remaining / speed)
+        for rep in pool:
+            for j in rep.loads:
+                dt = min(dt, j.remaining * len(rep.loads) / thread)
+            if rep.step:
+                dt = min(dt, rep.step_left / thread)
         now += dt
+        for job in routing:
+            job.remaining -= dt
         for job in fetching:
             job.remaining -= dt * fetch_rate
-        for rep, rep_speeds in zip(pool, speeds, strict=True):
-            for j, speed in zip(rep.cpu, rep_speeds, strict=True):
-                j.remaining -= dt * speed
-        eps = 1e-12
+        for rep in pool:
+            n_loads = len(rep.loads)
+            for j in rep.loads:
+                j.remaining -= dt * thread / n_loads
+            if rep.step:
+                rep.step_left -= dt * thread
+        for job in [j for j in routing if j.remaining <= eps]:
+            routing.remove(job)
+            arrive(job)
         for job in [f for f in fetching if f.remaining <= eps]:
             fetching.remove(job)
             job.phase, job.remaining = "load", job.tokens * costs.store_decode_s_per_token
-            pool[job.replica].cpu.append(job)
+            pool[job.replica].loads.append(job)
         for rep in pool:
-            for job in [j for j in rep.cpu if j.remaining <= eps]:
-                if job.phase == "load":  # its KV is in memory: the question's prefill is a step-loop job
-                    job.phase, job.remaining = "prompt", job.tokens * costs.store_cpu_s_per_token
-                    if job.remaining > eps:
-                        continue
-                if job.phase == "prompt":
-                    job.ttft = now - job.started
-                    others = [j for j in rep.cpu if j is not job]
-                    loading = sum(j.tokens for j in others if j.phase in ("load", "prompt") and not j.hot)
-                    rep.admit(job.context, job.tokens, loading, {j.context for j in others})
-                    job.phase, job.remaining = "decode", (max_tokens - 1) * costs.decode_s_per_token
-                    if job.remaining > eps:
-                        continue
-                rep.cpu.remove(job)
-                rep.in_flight -= 1
-                done.append(job)
-                if len(done) == warmup:
-                    counted_start = now
-                if len(done) > warmup:
-                    tokens_after_warmup += max_tokens
-                if issued < requests + warmup:
-                    issue(job.client)
+            for job in [j for j in rep.loads if j.remaining <= eps]:
+                rep.loads.remove(job)  # its KV is in memory: the question's prefill is a step-loop job
+                job.phase, job.remaining = "prompt", job.tokens * costs.store_cpu_s_per_token
+                rep.ready.append(job)
+            if rep.step and rep.step_left <= eps:
+                end_step(rep)
     counted = done[warmup:]
     ttfts = [j.ttft for j in counted]
     return {
@@ -297,22 +377,26 @@ def _draw(cum: list[float], rng: random.Random) -> int:
 def replay(costs: Costs, measured: dict[str, Any], s3: float, seeds: int) -> list[dict[str, Any]]:
     """The measured setting, simulated: per policy, the simulation's mean over seeds beside the
     measurement, and the relative error of each figure. The two replicas shared one host's cores
-    there, with the S3 server, the router and the clients: the CPU costs are the host's
-    (``Costs.on_host``, from what each run measured)."""
+    there, with each other and with the S3 server, the router and the clients: the replicas'
+    threads share the cores those others left over the run (``host_cpu``, measured), and run
+    at the co-located costs (``Costs.colocated``)."""
     args = measured["args"]
     tokens = [c["tokens"] for c in measured["contexts"]]
+    host = costs.colocated()
     rows = []
     for run in measured["runs"]:
-        host = costs.on_host(run.get("host_cpu"), run["wall_s"], replicas=2)
+        cpu = run["host_cpu"]
+        cores = max(0.5, cpu["cores"] - cpu["others_s"] / run["wall_s"])
         sims = [
             simulate(
                 host, replicas=2, context_tokens=tokens, clients=args["clients"], policy=run["policy"],
                 requests=args["requests"], warmup=0, max_tokens=args["max_tokens"],
                 kv_memory_bytes=args["kv_memory_mb"] * 2**20, s3_bytes_per_s=s3, zipf=args["zipf"], seed=seed,
+                shared_cores=cores,
             )  # fmt: skip
             for seed in range(seeds)
         ]
-        row: dict[str, Any] = {"policy": run["policy"], "cpu_slowdown": host.decode_s_per_token / costs.decode_s_per_token}
+        row: dict[str, Any] = {"policy": run["policy"], "shared_cores": cores}
         for key in ("memory_hot_share", "ttft_p50_s", "ttft_p99_s", "tokens_per_s", "s3_bytes_per_request"):
             predicted = statistics.fmean(s[key] for s in sims)
             row[key] = {

@@ -59,6 +59,7 @@ BUDGET_SHARE = 0.8
 # Store chunks decoded together at most: what has arrived when the decoder gets to it, so that a
 # GPU decodes many chunks' streams in one launch (16 x 360 streams of the default model).
 MAX_BATCH = 16
+FETCH_WINDOW = 2  # store chunks in flight once the link has been measured
 
 
 @dataclass
@@ -75,7 +76,7 @@ class PrefixLoader:
         geometry: KVGeometry,
         pool: ThreadPoolExecutor,
         profile: CostProfile,
-        window: int = 2,
+        window: int = FETCH_WINDOW,
         codec_gate: AbstractContextManager[Any] | None = None,
         transforms: Mapping[bytes, KVTransform] | None = None,
     ) -> None:

@@ -1,0 +1,93 @@
+"""The scale-out simulation's replica: what a single request costs, and steps that hold what was ready."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.scaleout_sim import Costs, Job, Replica, simulate
+
+TOKENS = 2000
+COSTS = Costs(
+    memory_hit_s_per_token=0.1 / TOKENS,  # a 0.1 s prefill step
+    store_decode_s_per_token=0.4 / TOKENS,
+    store_cpu_s_per_token=0.2 / TOKENS,
+    store_bytes_per_token=1000.0,
+    s3_stream_bytes_per_s=20e6,  # 2 MB in 0.1 s
+    decode_s_per_token=0.05,
+    beta=0.5,
+    kv_bytes_per_token=1,
+    colocated_slowdown=1.0,
+    request_overhead_s=0.03,
+    router_overhead_s=0.02,
+)
+
+
+def run(policy: str, requests: int, warmup: int, clients: int = 1, max_tokens: int = 4) -> dict[str, float]:
+    return simulate(
+        COSTS, replicas=1, context_tokens=[TOKENS], clients=clients, policy=policy, requests=requests,
+        warmup=warmup, max_tokens=max_tokens, kv_memory_bytes=10 * TOKENS, s3_bytes_per_s=1e12, zipf=1.0, seed=0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("policy", "routing"), [("round_robin", 0.0), ("cache_aware", 0.02)])
+def test_one_client_pays_overhead_then_its_phases(policy: str, routing: float) -> None:
+    cold = run(policy, requests=1, warmup=0)
+    assert cold["memory_hot_share"] == 0.0
+    # overhead, fetch (2 MB at 20 MB/s), decode of the fetched chunks, the question's prefill step
+    assert cold["ttft_p50_s"] == pytest.approx(0.03 + routing + 0.1 + 0.4 + 0.2)
+    hot = run(policy, requests=3, warmup=1)  # the first request loaded the context into memory
+    assert hot["memory_hot_share"] == 1.0
+    assert hot["ttft_p50_s"] == pytest.approx(0.03 + routing + 0.1)
+    # after the first token, 3 decode steps alone: 4 tokens per request in 0.03 + 0.1 + 0.15 s
+    assert hot["tokens_per_s"] == pytest.approx(4 / (0.03 + routing + 0.1 + 3 * 0.05))
+
+
+def test_a_step_holds_what_was_ready_when_it_began() -> None:
+    rep = Replica(capacity_tokens=10 * TOKENS)
+    decoding = Job(0, 0, TOKENS, 0.0, 0, phase="decode", tokens_left=3)
+    rep.running.append(decoding)
+    rep.start_step(COSTS)
+    assert rep.step == [decoding]
+    assert rep.step_left == pytest.approx(0.05)
+    late = Job(1, 0, TOKENS, 0.0, 0, phase="prompt", remaining=0.1)
+    rep.ready.append(late)
+    rep.start_step(COSTS)  # a step is in flight: the prompt waits for the next one
+    assert rep.step == [decoding] and rep.ready == [late]
+    rep.step = []
+    rep.start_step(COSTS)
+    assert set(map(id, rep.step)) == {id(decoding), id(late)}
+    assert rep.step_left == pytest.approx(0.1 + 0.05)  # the prefill beside one decode
+
+
+def test_loads_share_the_codec_thread() -> None:
+    # two store hits at once: their decodes take turns on one thread (0.4 s each, so 0.8 s for
+    # both), then both prompts are ready for one prefill step (0.2 s each)
+    both = simulate(
+        COSTS, replicas=1, context_tokens=[TOKENS, TOKENS], clients=2, policy="round_robin", requests=2,
+        warmup=0, max_tokens=4, kv_memory_bytes=10 * TOKENS, s3_bytes_per_s=1e12, zipf=1.0, seed=0,
+    )  # fmt: skip
+    assert both["memory_hot_share"] == 0.0
+    assert both["ttft_p50_s"] == pytest.approx(0.03 + 0.1 + 0.8 + 0.4)
+
+
+def test_shared_cores_slow_the_threads_but_not_the_link() -> None:
+    half = simulate(
+        COSTS, replicas=1, context_tokens=[TOKENS], clients=1, policy="round_robin", requests=1,
+        warmup=0, max_tokens=4, kv_memory_bytes=10 * TOKENS, s3_bytes_per_s=1e12, zipf=1.0, seed=0,
+        shared_cores=0.5,
+    )  # fmt: skip
+    assert half["ttft_p50_s"] == pytest.approx(0.03 + 0.1 + 2 * (0.4 + 0.2))
+
+
+def test_decodes_batch_by_beta() -> None:
+    rep = Replica(capacity_tokens=10 * TOKENS)
+    rep.running.extend(Job(c, 0, TOKENS, 0.0, 0, phase="decode", tokens_left=3) for c in range(4))
+    rep.start_step(COSTS)
+    assert rep.step_left == pytest.approx(0.05 * 4**0.5)
+
+
+def test_room_is_made_from_the_least_recently_used_context_that_nobody_reads() -> None:
+    rep = Replica(capacity_tokens=5000)
+    rep.memory.update({0: 2000, 1: 1000, 2: 1000})
+    rep.make_room(reserved=1232 + 768, in_use={0})  # a store hit's KV and staging; context 0 is read
+    assert list(rep.memory) == [0, 2]
