@@ -45,7 +45,7 @@ import httpx
 
 from app.threads import available_cores
 from benchmarks.stats import percentile
-from benchmarks.workload import QUESTIONS, build_contexts, keywords, load_tokenizer, pre_encode
+from benchmarks.workload import QUESTIONS, build_contexts, keywords, load_tokenizer, pre_encode, zipf_draws
 from scheduler.loader import FETCH_WINDOW
 from tests.gateway_process import GatewayProcess
 from tests.support.router import RouterProcess, router_binary
@@ -54,11 +54,6 @@ from tests.support.seaweed import SeaweedServer
 POLICIES = ("cache_aware", "round_robin")
 KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M at fp32: K and V, 30 layers, 3 KV heads of 64
 STORE_HIT_CONTEXTS = (0, 1, 2)  # the contexts whose first load measures a store hit's costs
-
-
-def zipf_draws(n_contexts: int, count: int, s: float, seed: int) -> list[int]:
-    weights = [1.0 / (k + 1) ** s for k in range(n_contexts)]
-    return random.Random(seed).choices(range(n_contexts), weights=weights, k=count)
 
 
 def chat(client: httpx.Client, model: str, context: str, question: str, max_tokens: int) -> dict[str, Any]:
@@ -130,6 +125,8 @@ def memory_hit_split(client: httpx.Client, url: str, model: str, context: str, r
         busy = engine_busy_s(url)
         r = chat(client, model, context, f"Question {i}: who is mentioned first?", 1)
         steps.append(engine_busy_s(url) - busy)
+        if r["kv"]["memory_tokens"] < 0.9 * r["kv"]["cached_tokens"]:
+            raise RuntimeError(f"expected a memory hit, got {r['kv']}")
         ttfts.append(r["ttft_s"])
     return {
         "ttft_s": statistics.median(ttfts),
@@ -142,16 +139,16 @@ def router_overhead(urls: list[str], root: Path, model: str, context: str, repea
     """What ``cache_aware`` routing adds to a memory hit's TTFT: the same hit through vllm-router
     (which renders every request on every worker first) and straight to the replica it picks,
     alternating; the median of the differences."""
-    with RouterProcess(urls, "cache_aware", root / "router-costs.log") as router:
-        with httpx.Client(base_url=router.url, timeout=600) as via:
-            first = chat(via, model, context, "Where does it start?", 1)  # warms the router's prefix tree
-            direct_url = {g: u for g, u in zip("ab", urls, strict=False)}[first["kv"]["replica"]]
-            with httpx.Client(base_url=direct_url, timeout=600) as direct:
-                gaps = []
-                for i in range(repeats):
-                    routed = chat(via, model, context, f"Routed {i}: who is mentioned first?", 1)["ttft_s"]
-                    straight = chat(direct, model, context, f"Direct {i}: who is mentioned first?", 1)["ttft_s"]
-                    gaps.append(routed - straight)
+    router = RouterProcess(urls, "cache_aware", root / "router-costs.log")
+    with router, httpx.Client(base_url=router.url, timeout=600) as via:
+        first = chat(via, model, context, "Where does it start?", 1)  # warms the router's prefix tree
+        direct_url = dict(zip("ab", urls, strict=True))[first["kv"]["replica"]]
+        with httpx.Client(base_url=direct_url, timeout=600) as direct:
+            gaps = []
+            for i in range(repeats):
+                routed = chat(via, model, context, f"Routed {i}: who is mentioned first?", 1)
+                straight = chat(direct, model, context, f"Direct {i}: who is mentioned first?", 1)
+                gaps.append(routed["ttft_s"] - straight["ttft_s"])
     return max(0.0, statistics.median(gaps))
 
 
@@ -173,11 +170,12 @@ def measure_costs(
     with a, httpx.Client(base_url=a.url, timeout=600) as client:
         chunk_tokens = client.get("/get_server_info").json()["chunk_size"]
         # a fresh process's first store hit pays its start-up (the store's first connection and
-        # index read, the link estimate, the codec's first calls): 1.5-2x a later one. Discard it.
-        chat(client, model, contexts[-1], "What is this about?", max_tokens)
+        # index read, the link estimate, the codec's first calls): 1.5-2x a later one. Kept apart.
+        first = chat(client, model, contexts[-1], "What is this about?", max_tokens)
         colds = [chat(client, model, contexts[k], "What is this about?", max_tokens) for k in STORE_HIT_CONTEXTS]
         hot = chat(client, model, contexts[0], "Who is mentioned first?", max_tokens)
         split = memory_hit_split(client, a.url, model, contexts[0])
+        split_long = memory_hit_split(client, a.url, model, contexts[-1])  # in memory since the warm-up
         long = chat(client, model, contexts[0], "Tell more.", 8 * max_tokens)
         pair = decode_pairs([a.url], model, contexts[0], 8 * max_tokens)
         with b:
@@ -193,12 +191,18 @@ def measure_costs(
         "store_hit_ttft_s": scale * sum(cold["ttft_s"] for cold in colds),
         "memory_hit_ttft_s": hot["ttft_s"],
         "memory_hit_step_s": split["step_s"],  # of a memory hit's TTFT, the step loop's prefill
+        "long_context_tokens": stored[-1]["cached_tokens"],
+        "memory_hit_step_long_s": split_long["step_s"],  # the same on the longest context
         "request_overhead_s": split["overhead_s"],  # the rest: HTTP, tokenization, planning
         "router_overhead_s": routing_s,  # what cache_aware routing adds to a request's TTFT
         "store_fetch_s": scale * sum(c["fetch_ms"] for c in chunks) / 1e3,
         "store_decode_s": scale * sum(c["decode_ms"] for c in chunks) / 1e3,
         "store_bytes": scale * sum(c["bytes"] for c in chunks),
         "store_chunks": len(chunks),
+        # what a fresh process's first store hit (on the longest context) takes beyond a later one
+        "first_store_hit_extra_s": max(
+            0.0, first["ttft_s"] - scale * sum(cold["ttft_s"] for cold in colds) * stored[-1]["cached_tokens"] / stored_tokens
+        ),
         "store_hits": [
             {"tokens": stored[k]["cached_tokens"], "ttft_s": cold["ttft_s"], "bytes": sum(c["bytes"] for c in cold["kv"]["chunks"])}
             for k, cold in zip(STORE_HIT_CONTEXTS, colds, strict=True)

@@ -138,3 +138,10 @@ def pre_encode(client: httpx.Client, contexts: list[str], levels: list[str] | No
             f"pre-encoded context {k}: {info.get('tokens')} tokens in {info.get('encode_seconds', 0):.2f} s"
         )
     return created
+
+
+def zipf_draws(n_contexts: int, count: int, s: float, seed: int) -> list[int]:
+    """Which of ``n_contexts`` each of ``count`` requests asks about, Zipf-like with exponent ``s``:
+    the sequence ``benchmarks/scaleout.py`` sends and ``benchmarks/scaleout_sim.py`` replays."""
+    weights = [1.0 / (k + 1) ** s for k in range(n_contexts)]
+    return random.Random(seed).choices(range(n_contexts), weights=weights, k=count)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from benchmarks.scaleout_sim import Costs, Job, Replica, simulate
@@ -91,3 +93,38 @@ def test_room_is_made_from_the_least_recently_used_context_that_nobody_reads() -
     rep.memory.update({0: 2000, 1: 1000, 2: 1000})
     rep.make_room(reserved=1232 + 768, in_use={0})  # a store hit's KV and staging; context 0 is read
     assert list(rep.memory) == [0, 2]
+
+
+def test_a_memory_hit_step_is_a_line_through_the_short_and_the_long_context() -> None:
+    measured = {
+        "context_tokens": 2000, "long_context_tokens": 4000,
+        "memory_hit_ttft_s": 0.2, "memory_hit_step_s": 0.15, "memory_hit_step_long_s": 0.25,
+        "request_overhead_s": 0.01, "store_hit_ttft_s": 0.7, "store_fetch_s": 0.1, "store_decode_s": 0.4,
+        "store_bytes": 6e6, "decode_s_per_token_batch1": 0.07, "decode_s_per_token_batch2": 0.07 * 2**0.3,
+        "colocated_slowdown": 1.0, "kv_bytes_per_token": 46080,
+    }  # fmt: skip
+    costs = Costs.from_measured(measured)
+    assert costs.memory_hit_step(2000) == pytest.approx(0.15)
+    assert costs.memory_hit_step(4000) == pytest.approx(0.25)
+    assert costs.memory_hit_s == pytest.approx(0.05)
+    assert costs.beta == pytest.approx(0.3)
+    assert costs.store_cpu_s_per_token == pytest.approx((0.7 - 0.1 - 0.4 - 0.01) / 2000)
+    # a run that measured one context only: through 0
+    older = Costs.from_measured({k: v for k, v in measured.items() if k != "memory_hit_step_long_s"})
+    assert older.memory_hit_s == 0.0 and older.memory_hit_step(4000) == pytest.approx(0.3)
+
+
+def test_only_a_replicas_first_store_hit_pays_its_start_up() -> None:
+    costs = dataclasses.replace(COSTS, first_load_extra_s=0.5)
+    # two contexts that fit memory together: the second request is a store hit too (its own context)
+    first, second = (
+        simulate(
+            costs, replicas=1, context_tokens=[TOKENS, TOKENS], clients=1, policy="round_robin", requests=1,
+            warmup=n - 1, max_tokens=1, kv_memory_bytes=10 * TOKENS, s3_bytes_per_s=1e12, zipf=1.0, seed=0,
+            draws=[0, 1],
+        )  # fmt: skip
+        for n in (1, 2)
+    )
+    assert first["ttft_p50_s"] == pytest.approx(0.03 + 0.1 + 0.5 + 0.4 + 0.2)
+    assert second["memory_hot_share"] == 0.0
+    assert second["ttft_p50_s"] == pytest.approx(0.03 + 0.1 + 0.4 + 0.2)
