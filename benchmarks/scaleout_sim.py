@@ -150,6 +150,7 @@ class Job:
     remaining: float = 0.0  # seconds (route), bytes (fetch), CPU seconds at solo speed (load, prompt)
     tokens_left: int = 0  # decode
     ttft: float | None = None
+    counted: bool = True  # issued after the warm-up
 
 
 @dataclass
@@ -170,6 +171,7 @@ class Replica:
     step_left: float = 0.0  # its CPU seconds at solo speed
     in_flight: int = 0
     loaded_before: bool = False  # a fresh process's first store hit pays its start-up
+    memory_queue: list[Job] = field(default_factory=list)  # store hits waiting for KV memory
 
     @property
     def busy_threads(self) -> int:
@@ -275,23 +277,41 @@ def simulate(
         issued += 1
         r = router.pick(k)
         pool[r].in_flight += 1
-        routing.append(Job(client, k, context_tokens[k], now, r, remaining=route_s))
+        routing.append(Job(client, k, context_tokens[k], now, r, remaining=route_s, counted=issued > warmup))
 
     def arrive(job: Job) -> None:
-        nonlocal bytes_fetched
         rep = pool[job.replica]
         job.hot = rep.lookup(job.context)
         if job.hot:
             job.phase, job.remaining = "prompt", costs.memory_hit_step(job.tokens)
             rep.ready.append(job)
         else:
-            job.phase, job.remaining = "fetch", job.tokens * costs.store_bytes_per_token
-            if issued > warmup:
+            job.phase = "wait"
+            rep.memory_queue.append(job)
+            reserve_memory(rep)
+
+    def reserve_memory(rep: Replica) -> None:
+        """Start the fetches of store hits whose KV and staging fit beside what running requests
+        read and what other loads reserved, in arrival order, making room by evicting the rest;
+        the others wait, as a request's KV reservation does in the gateway. With nothing else on
+        the replica a request goes ahead whatever it needs."""
+        nonlocal bytes_fetched
+        while rep.memory_queue:
+            job = rep.memory_queue[0]
+            others = on_replica(job)
+            job.phase = "fetch"
+            need = reserved(others + [job])
+            in_use = {j.context for j in others}
+            pinned = sum(t for c, t in rep.memory.items() if c in in_use)
+            if others and pinned + need > rep.capacity_tokens:
+                job.phase = "wait"
+                return
+            rep.memory_queue.pop(0)
+            rep.make_room(need, in_use)
+            job.remaining = job.tokens * costs.store_bytes_per_token
+            if job.counted:
                 bytes_fetched += job.remaining
             fetching.append(job)
-            # its KV and its staging are reserved before the fetch: room is made now
-            others = on_replica(job)
-            rep.make_room(reserved(others + [job]), {j.context for j in others if j.hot})
 
     def on_replica(job: Job) -> list[Job]:
         return pool[job.replica].others(job) + [j for j in fetching if j.replica == job.replica and j is not job]
@@ -305,6 +325,7 @@ def simulate(
         nonlocal counted_start, tokens_after_warmup
         pool[job.replica].in_flight -= 1
         done.append(job)
+        reserve_memory(pool[job.replica])  # what it read may be evicted now
         if len(done) == warmup:
             counted_start = now
         if len(done) > warmup:
