@@ -169,8 +169,8 @@ def measure_costs(
     does not), and what the router adds to a request."""
     with a, httpx.Client(base_url=a.url, timeout=600) as client:
         chunk_tokens = client.get("/get_server_info").json()["chunk_size"]
-        # a fresh process's first store hit pays its start-up (the store's first connection and
-        # index read, the link estimate, the codec's first calls): 1.5-2x a later one. Kept apart.
+        # a fresh process's first store hit may pay its start-up (the store's first connection and
+        # index read, the link estimate, the codec's first calls): kept apart from the others
         first = chat(client, model, contexts[-1], "What is this about?", max_tokens)
         colds = [chat(client, model, contexts[k], "What is this about?", max_tokens) for k in STORE_HIT_CONTEXTS]
         hot = chat(client, model, contexts[0], "Who is mentioned first?", max_tokens)
