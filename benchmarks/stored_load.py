@@ -1,0 +1,119 @@
+"""Stored contexts loaded by a fresh gateway: this checkout against another revision, one run.
+
+    python -m benchmarks.stored_load --baseline HEAD~1 [--rounds 2]
+
+Issue 16's two load figures, from local disk (the loads read lossless chunks, as ``auto`` picks
+there), for each side (the ``--baseline`` revision in a temporary git worktree, then this
+checkout), alternating rounds so that drift on a shared machine hits both:
+
+* ``stored_fresh_s``: a fresh gateway process, a new question on a stored 3.8K-token context
+  (the first 17,000 characters of a licence): TTFT;
+* ``stored_2k_alone_s`` and ``stored_2k_worst_of_8_s``: a fresh gateway answers a question on
+  one stored 2K context (a warm-up: its first load's one-time costs), then one on another alone,
+  then 8 at once, each on a context of its own; the worst of the 8 against the one alone.
+
+The contexts are pre-encoded once, by this checkout, into one store that both sides read (the
+chunk keys and format must therefore be the same on both). TTFT is measured at the client
+(streamed, greedy, 8 tokens). Prints the medians of both sides and their ratio, and writes
+``benchmarks/results/stored_load.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.vs_vllm import LICENCE, QUESTIONS, context_messages, gateway_env, stream_chat
+from benchmarks.workload import build_contexts, load_tokenizer
+from engine.loading import convert_default_model, default_cache_dir
+from tests.gateway_process import GatewayProcess
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+CONCURRENT = 8
+
+
+async def ttft(client: httpx.AsyncClient, url: str, text: str, question: str) -> float:
+    return (await stream_chat(client, url, context_messages(text, question), 8))[0]
+
+
+def pre_encode(env: dict[str, str], texts: list[str], log: Path) -> None:
+    with GatewayProcess(env, log) as g:
+        for text in texts:
+            body = {"messages": [{"role": "system", "content": text}]}
+            httpx.post(f"{g.url}/contexts", json=body, timeout=900).raise_for_status()
+
+
+def run_side(repo: Path, env: dict[str, str], long_text: str, texts: list[str], log: Path) -> dict[str, Any]:
+    with GatewayProcess(env, log, repo=repo) as g:
+        fresh = asyncio.run(_one(g.url, long_text, QUESTIONS[2]))
+    with GatewayProcess(env, log, repo=repo) as g:
+
+        async def stored_2k() -> tuple[float, list[float]]:
+            async with httpx.AsyncClient() as client:
+                await ttft(client, g.url, texts[0], QUESTIONS[0])  # warm-up
+                alone = await ttft(client, g.url, texts[1], QUESTIONS[0])
+                together = await asyncio.gather(*(ttft(client, g.url, t, QUESTIONS[0]) for t in texts[2:]))
+            return alone, list(together)
+
+        alone, together = asyncio.run(stored_2k())
+    return {
+        "stored_fresh_s": round(fresh, 3),
+        "stored_2k_alone_s": round(alone, 3),
+        f"stored_2k_worst_of_{CONCURRENT}_s": round(max(together), 3),
+        "stored_2k_together_s": [round(t, 3) for t in together],
+    }
+
+
+async def _one(url: str, text: str, question: str) -> float:
+    async with httpx.AsyncClient() as client:
+        return await ttft(client, url, text, question)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline", required=True, help="the git revision to compare against")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", type=Path, default=RESULTS / "stored_load.json")
+    args = p.parse_args()
+    model = convert_default_model(default_cache_dir())
+    root = Path(tempfile.mkdtemp(prefix="stored_load-"))
+    env = gateway_env(model, "float32", root / "store")
+    long_text = LICENCE.read_text()[:17000]
+    texts = build_contexts(load_tokenizer("default"), CONCURRENT + 2, 2048)
+    pre_encode(env, [long_text, *texts], root / "encode.log")
+    worktree = root / "baseline"
+    subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.baseline], cwd=REPO, check=True)
+    sides: dict[str, list[dict[str, Any]]] = {"baseline": [], "this": []}
+    try:
+        for r in range(args.rounds):
+            for name, repo in (("baseline", worktree), ("this", REPO)):
+                result = run_side(repo, env, long_text, texts, root / f"{name}-{r}.log")
+                sides[name].append(result)
+                print(name, json.dumps(result), flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, check=False)
+    keys = ("stored_fresh_s", "stored_2k_alone_s", f"stored_2k_worst_of_{CONCURRENT}_s")
+    summary = {name: {k: round(statistics.median(r[k] for r in rs), 3) for k in keys} for name, rs in sides.items()}
+    for s in summary.values():
+        s["worst_over_alone"] = round(s[keys[2]] / s[keys[1]], 2)
+    ratios = {k: round(summary["this"][k] / summary["baseline"][k], 2) for k in summary["this"]}
+    out = {"baseline": args.baseline, "rounds": sides, "medians": summary, "ratio_this_over_baseline": ratios}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\n{'measure':<30}{'baseline':>10}{'this':>10}{'ratio':>8}")
+    for key, ratio in ratios.items():
+        print(f"{key:<30}{summary['baseline'][key]:>10.3f}{summary['this'][key]:>10.3f}{ratio:>8.2f}")
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
