@@ -1,10 +1,11 @@
 """Stored contexts loaded by a fresh gateway: this checkout against another revision, one run.
 
-    python -m benchmarks.stored_load --baseline HEAD~1 [--rounds 2]
+    python -m benchmarks.stored_load --baseline HEAD~1 [--rounds 4] [--warmup-rounds 1]
 
 Issue 16's two load figures, from local disk (the loads read lossless chunks, as ``auto`` picks
 there), for each side (the ``--baseline`` revision in a temporary git worktree, then this
-checkout), alternating rounds so that drift on a shared machine hits both:
+checkout), alternating rounds so that drift on a shared machine hits both (after uncounted
+warm-up rounds):
 
 * ``stored_fresh_s``: a fresh gateway process, a new question on a stored 3.8K-token context
   (the first 17,000 characters of a licence): TTFT;
@@ -81,7 +82,11 @@ async def _one(url: str, text: str, question: str) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", required=True, help="the git revision to compare against")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument(
+        "--warmup-rounds", type=int, default=1,
+        help="rounds run first and not counted: the first gateways after the encode ran 1.5-3x slower on both sides",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS / "stored_load.json")
     args = p.parse_args()
     model = convert_default_model(default_cache_dir())
@@ -94,11 +99,13 @@ def main() -> None:
     subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.baseline], cwd=REPO, check=True)
     sides: dict[str, list[dict[str, Any]]] = {"baseline": [], "this": []}
     try:
-        for r in range(args.rounds):
+        for r in range(args.warmup_rounds + args.rounds):
             for name, repo in (("baseline", worktree), ("this", REPO)):
                 result = run_side(repo, env, long_text, texts, root / f"{name}-{r}.log")
-                sides[name].append(result)
-                print(name, json.dumps(result), flush=True)
+                counted = r >= args.warmup_rounds
+                if counted:
+                    sides[name].append(result)
+                print(name, "" if counted else "(warm-up)", json.dumps(result), flush=True)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, check=False)
     keys = ("stored_fresh_s", "stored_2k_alone_s", f"stored_2k_worst_of_{CONCURRENT}_s")
