@@ -23,18 +23,17 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from benchmarks.ab import REPO, baseline_worktree, report
 from benchmarks.vs_vllm import LICENCE, context_messages, stream_chat
 from engine.loading import DEFAULT_MODEL_NAME, convert_default_model, default_cache_dir
 from tests.gateway_process import GatewayProcess
 
-REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 QUESTIONS = [f"Question {i}: what does section {i} of this licence say?" for i in range(8)]
 
@@ -72,17 +71,13 @@ def main() -> None:
     text = LICENCE.read_text()[:17000]
     model = convert_default_model(default_cache_dir())
     root = Path(tempfile.mkdtemp(prefix="hot_context-"))
-    worktree = root / "baseline"
-    subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.baseline], cwd=REPO, check=True)
     sides: dict[str, list[dict[str, Any]]] = {"baseline": [], "this": []}
-    try:
+    with baseline_worktree(args.baseline, root) as worktree:
         for r in range(args.rounds):  # alternating, so drift on a shared machine hits both
             for name, repo in (("baseline", worktree), ("this", REPO)):
                 result = run_side(repo, model, text, root, f"{name}-{r}")
                 sides[name].append(result)
                 print(name, json.dumps(result), flush=True)
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, check=False)
     summary: dict[str, dict[str, float]] = {}
     for name, results in sides.items():
         summary[name] = {
@@ -90,15 +85,7 @@ def main() -> None:
             for key in ("new_question_s", "concurrent_new_questions_s")
         }
         summary[name]["concurrent_max_s"] = max(t for r in results for t in r["concurrent_new_questions_s"])
-    ratios = {key: round(summary["this"][key] / summary["baseline"][key], 2) for key in summary["this"]}
-    out = {"baseline": args.baseline, "rounds": sides, "medians": summary, "ratio_this_over_baseline": ratios}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\n{'measure':<30}{'baseline':>10}{'this':>10}{'ratio':>8}")
-    for key, ratio in ratios.items():
-        print(f"{key:<30}{summary['baseline'][key]:>10.3f}{summary['this'][key]:>10.3f}{ratio:>8.2f}")
-    print(f"written to {args.out}")
-
+    report(args.out, args.baseline, sides, summary)
 
 if __name__ == "__main__":
     main()

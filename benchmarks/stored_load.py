@@ -25,19 +25,18 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from benchmarks.ab import REPO, baseline_worktree, report
 from benchmarks.vs_vllm import LICENCE, QUESTIONS, context_messages, gateway_env, stream_chat
 from benchmarks.workload import build_contexts, load_tokenizer
 from engine.loading import convert_default_model, default_cache_dir
 from tests.gateway_process import GatewayProcess
 
-REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 CONCURRENT = 8
 
@@ -95,10 +94,8 @@ def main() -> None:
     long_text = LICENCE.read_text()[:17000]
     texts = build_contexts(load_tokenizer("default"), CONCURRENT + 2, 2048)
     pre_encode(env, [long_text, *texts], root / "encode.log")
-    worktree = root / "baseline"
-    subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.baseline], cwd=REPO, check=True)
     sides: dict[str, list[dict[str, Any]]] = {"baseline": [], "this": []}
-    try:
+    with baseline_worktree(args.baseline, root) as worktree:
         for r in range(args.warmup_rounds + args.rounds):
             for name, repo in (("baseline", worktree), ("this", REPO)):
                 result = run_side(repo, env, long_text, texts, root / f"{name}-{r}.log")
@@ -106,21 +103,11 @@ def main() -> None:
                 if counted:
                     sides[name].append(result)
                 print(name, "" if counted else "(warm-up)", json.dumps(result), flush=True)
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, check=False)
     keys = ("stored_fresh_s", "stored_2k_alone_s", f"stored_2k_worst_of_{CONCURRENT}_s")
     summary = {name: {k: round(statistics.median(r[k] for r in rs), 3) for k in keys} for name, rs in sides.items()}
     for s in summary.values():
         s["worst_over_alone"] = round(s[keys[2]] / s[keys[1]], 2)
-    ratios = {k: round(summary["this"][k] / summary["baseline"][k], 2) for k in summary["this"]}
-    out = {"baseline": args.baseline, "rounds": sides, "medians": summary, "ratio_this_over_baseline": ratios}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\n{'measure':<30}{'baseline':>10}{'this':>10}{'ratio':>8}")
-    for key, ratio in ratios.items():
-        print(f"{key:<30}{summary['baseline'][key]:>10.3f}{summary['this'][key]:>10.3f}{ratio:>8.2f}")
-    print(f"written to {args.out}")
-
+    report(args.out, args.baseline, sides, summary)
 
 if __name__ == "__main__":
     main()
