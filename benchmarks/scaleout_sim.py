@@ -6,28 +6,29 @@
 Two replicas on a 2-core machine cannot show throughput scaling, so this is a discrete-event
 model fed with what ``benchmarks/scaleout.py`` measured on one replica (its ``costs``):
 
-- **A replica** is one core. Its step loop runs one step at a time, as the gateway's does: a
-  step holds a token of every decoding sequence (n of them cost ``n**beta`` solo steps; beta
-  from the measured decode time per token at batch 1 and 2) and the prefill of every prompt
-  ready when it began, so a prompt that arrives mid-step waits for the next one. Each store hit
-  decoding its fetched chunks (the prepare threads) takes an equal share of the core beside the
-  step loop.
+- **A replica** runs two threads, as the measured gateways did (``CACHEGEN_TORCH_THREADS=1``):
+  the step loop and the codec. The step loop runs one step at a time: a step holds a token of
+  every decoding sequence (n of them cost ``n**beta`` solo steps; beta from the measured decode
+  time per token at batch 1 and 2) and the prefill of every prompt ready when it began, so a
+  prompt that arrives mid-step waits for the next one. The store hits decoding their fetched
+  chunks share the codec thread (the codec gate) in equal parts.
 - **A request** first spends the measured per-request overhead (HTTP, tokenization, planning:
   a memory hit's TTFT less its prefill step) and, under ``cache_aware``, what routing adds
   (vllm-router renders every request on every worker first; both measured by ``scaleout``).
-  Then its prompt is a memory hit (the replica's prefix cache holds the context: a prefill step
-  of the measured cost, per context token) or a store hit: an S3 fetch of the context's bytes
-  (the measured per-stream rate, shared under ``--s3-gbps`` over all replicas), then the decode
-  of those bytes into KV (the measured ``store_decode_s``, per token; a CPU share of its own),
-  then the question's prefill step (the rest of the measured store-hit TTFT, per token). A
-  replica's first store hit also pays the measured start-up of a fresh process. The prefill
-  step gives the first token; ``max_tokens - 1`` decode steps follow. A memory hit's prefill
-  step is a line through its measured cost on the shortest and the longest context.
+  Then its prompt is a memory hit (the replica's prefix cache holds the context: one prefill
+  step, whose cost is a line through the measured step on the shortest and the longest context)
+  or a store hit: an S3 fetch of the context's bytes (the measured per-stream rate, shared
+  under ``--s3-gbps`` over all replicas), then the decode of those bytes into KV on the codec
+  thread (the measured ``store_decode_s``, per token), then the question's prefill step (the
+  rest of the measured store-hit TTFT, per token). A replica's first store hit also pays the
+  measured start-up of a fresh process. The prefill step gives the first token;
+  ``max_tokens - 1`` decode steps follow.
 - **Memory** is each replica's KV budget as an LRU over contexts (a loaded context stays in the
   prefix cache). As in the gateway, a request on a context in memory attaches its KV rather
   than copying it (its own few tokens are left out), and a context that running requests read
-  is not evicted; a store hit's KV, from its fetch on, takes its room first, and so does the
-  staging its load reserves for fetched chunks until they are decoded.
+  is not evicted. A store hit reserves its KV, and the staging its load holds for fetched
+  chunks, when its fetch starts, evicting what no running request reads; when what running
+  requests read leaves too little room, it waits for memory, as the gateway's reservation does.
 - **The router**: ``round_robin`` in turn; ``cache_aware`` as vllm-router decides: the replica a
   context was last routed to (its prefix tree), unless the in-flight counts are imbalanced
   (difference > 64 and ratio > 1.5), and the least loaded replica for a context never seen.

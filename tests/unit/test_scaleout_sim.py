@@ -128,3 +128,14 @@ def test_only_a_replicas_first_store_hit_pays_its_start_up() -> None:
     assert first["ttft_p50_s"] == pytest.approx(0.03 + 0.1 + 0.5 + 0.4 + 0.2)
     assert second["memory_hot_share"] == 0.0
     assert second["ttft_p50_s"] == pytest.approx(0.03 + 0.1 + 0.4 + 0.2)
+
+
+def test_a_store_hit_waits_for_memory_that_a_running_request_reads() -> None:
+    # room for one context and a half: the second store hit starts its fetch when the first
+    # request ends (its TTFT 0.73 s, then 3 decode steps of 0.05 s), then takes 0.1 + 0.4 + 0.2 s
+    second = simulate(
+        COSTS, replicas=1, context_tokens=[TOKENS, TOKENS], clients=2, policy="round_robin", requests=1,
+        warmup=1, max_tokens=4, kv_memory_bytes=TOKENS * 3 // 2, s3_bytes_per_s=1e12, zipf=1.0, seed=0,
+        draws=[0, 1],
+    )  # fmt: skip
+    assert second["ttft_p50_s"] == pytest.approx(0.03 + 0.1 + 0.4 + 0.2 + 3 * 0.05 + 0.1 + 0.4 + 0.2)
