@@ -161,9 +161,10 @@ def measure_costs(
     max_tokens: int,
     root: Path,
 ) -> dict:
-    """Replica A alone (B stopped), one client: a store hit (cold memory), the same context hot
-    (split into the step loop's prefill and the per-request overhead around it), and decode speed
-    at batch 1 and 2: the per-replica costs the simulation starts from. Then both replicas
+    """Replica A alone (B stopped), one client: a fresh process's first store hit, then three
+    more (cold memory), memory hits on the shortest and the longest context (split into the step
+    loop's prefill and the per-request overhead around it), and decode speed at batch 1 and 2:
+    the per-replica costs the simulation starts from. Then both replicas
     decoding two sequences each at once: how much this host slows a replica when the two share
     its cores (the simulation's replay of this run applies it; its grid, one replica per machine,
     does not), and what the router adds to a request."""
@@ -184,11 +185,12 @@ def measure_costs(
     stored_tokens = stored[0]["cached_tokens"]
     # the store hits' figures per token (their sums over their tokens), at context 0's length
     scale = stored_tokens / sum(stored[k]["cached_tokens"] for k in STORE_HIT_CONTEXTS)
+    store_hit_ttft = scale * sum(cold["ttft_s"] for cold in colds)
     chunks = [c for cold in colds for c in cold["kv"]["chunks"]]
     per_token_2 = max(per_token(r) for r in pair)
     return {
         "context_tokens": stored_tokens,
-        "store_hit_ttft_s": scale * sum(cold["ttft_s"] for cold in colds),
+        "store_hit_ttft_s": store_hit_ttft,
         "memory_hit_ttft_s": hot["ttft_s"],
         "memory_hit_step_s": split["step_s"],  # of a memory hit's TTFT, the step loop's prefill
         "long_context_tokens": stored[-1]["cached_tokens"],
@@ -201,12 +203,16 @@ def measure_costs(
         "store_chunks": len(chunks),
         # what a fresh process's first store hit (on the longest context) takes beyond a later one
         "first_store_hit_extra_s": max(
-            0.0, first["ttft_s"] - scale * sum(cold["ttft_s"] for cold in colds) * stored[-1]["cached_tokens"] / stored_tokens
+            0.0, first["ttft_s"] - store_hit_ttft * stored[-1]["cached_tokens"] / stored_tokens
         ),
         "store_hits": [
-            {"tokens": stored[k]["cached_tokens"], "ttft_s": cold["ttft_s"], "bytes": sum(c["bytes"] for c in cold["kv"]["chunks"])}
+            {
+                "tokens": stored[k]["cached_tokens"],
+                "ttft_s": cold["ttft_s"],
+                "bytes": sum(c["bytes"] for c in cold["kv"]["chunks"]),
+            }
             for k, cold in zip(STORE_HIT_CONTEXTS, colds, strict=True)
-        ],  # fmt: skip
+        ],
         # a load reserves KV memory for the fetched chunks it holds beside its own KV, in tokens
         # (scheduler/loader.py, PrefixLoader.staging_bytes: the fetch window and the chunk decoding)
         "load_staging_tokens": (FETCH_WINDOW + 1) * chunk_tokens,
