@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from benchmarks.stream_client import Load, run_load, summarize
-from benchmarks.workload import build_contexts, build_requests, load_tokenizer, pre_encode
+from benchmarks.workload import build_contexts, build_requests, load_tokenizer, metric, pre_encode
 from tests.gateway_process import GatewayProcess
 
 RESULTS = Path(__file__).resolve().parent / "results" / "memory_bench.json"
@@ -41,13 +41,6 @@ def rss_bytes(pid: int, field: str = "VmRSS") -> int:
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"{field} not in /proc/{pid}/status")
-
-
-def metric(url: str, name: str) -> float | None:
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[1])
-    return None
 
 
 class Sampler(threading.Thread):

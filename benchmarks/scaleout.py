@@ -45,7 +45,15 @@ import httpx
 
 from app.threads import available_cores
 from benchmarks.stats import percentile
-from benchmarks.workload import QUESTIONS, build_contexts, keywords, load_tokenizer, pre_encode, zipf_draws
+from benchmarks.workload import (
+    QUESTIONS,
+    build_contexts,
+    keywords,
+    load_tokenizer,
+    metric,
+    pre_encode,
+    zipf_draws,
+)
 from scheduler.loader import FETCH_WINDOW
 from tests.gateway_process import GatewayProcess
 from tests.support.router import RouterProcess, router_binary
@@ -109,11 +117,16 @@ def decode_pairs(urls: list[str], model: str, context: str, max_tokens: int) -> 
 
 
 def engine_busy_s(url: str) -> float:
-    """The step loop's time in forward passes so far (``cachegen:engine_busy_seconds``)."""
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("cachegen:engine_busy_seconds "):
-            return float(line.split()[-1])
-    raise RuntimeError(f"{url}/metrics has no cachegen:engine_busy_seconds")
+    """The step loop's time in forward passes so far."""
+    busy = metric(url, "cachegen:engine_busy_seconds")
+    if busy is None:
+        raise RuntimeError(f"{url}/metrics has no cachegen:engine_busy_seconds")
+    return busy
+
+
+def memory_hit(kv: dict[str, Any]) -> bool:
+    """Whether a response's ``kv_cache_info`` says its context came from the replica's memory."""
+    return kv["memory_tokens"] >= 0.9 * kv["cached_tokens"] > 0
 
 
 def memory_hit_split(client: httpx.Client, url: str, model: str, context: str, repeats: int = 5) -> dict[str, float]:
@@ -125,7 +138,7 @@ def memory_hit_split(client: httpx.Client, url: str, model: str, context: str, r
         busy = engine_busy_s(url)
         r = chat(client, model, context, f"Question {i}: who is mentioned first?", 1)
         steps.append(engine_busy_s(url) - busy)
-        if r["kv"]["memory_tokens"] < 0.9 * r["kv"]["cached_tokens"]:
+        if not memory_hit(r["kv"]):
             raise RuntimeError(f"expected a memory hit, got {r['kv']}")
         ttfts.append(r["ttft_s"])
     return {
@@ -283,7 +296,7 @@ def run_policy(
 
 def summarize(policy: str, results: list[dict], wall: float, s3_bytes: float, args) -> dict[str, Any]:
     ttfts = [r["ttft_s"] for r in results]
-    hot = [r for r in results if r["kv"]["memory_tokens"] >= 0.9 * r["kv"]["cached_tokens"] > 0]
+    hot = [r for r in results if memory_hit(r["kv"])]
     replicas: dict[str, int] = {}
     for r in results:
         replicas[r["kv"]["replica"]] = replicas.get(r["kv"]["replica"], 0) + 1

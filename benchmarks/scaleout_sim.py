@@ -300,16 +300,14 @@ def simulate(
         while rep.memory_queue:
             job = rep.memory_queue[0]
             others = on_replica(job)
-            job.phase = "fetch"
-            need = reserved(others + [job])
+            need = reserved(others) + job.tokens + costs.load_staging_tokens
             in_use = {j.context for j in others}
             pinned = sum(t for c, t in rep.memory.items() if c in in_use)
             if others and pinned + need > rep.capacity_tokens:
-                job.phase = "wait"
                 return
             rep.memory_queue.pop(0)
             rep.make_room(need, in_use)
-            job.remaining = job.tokens * costs.store_bytes_per_token
+            job.phase, job.remaining = "fetch", job.tokens * costs.store_bytes_per_token
             if job.counted:
                 bytes_fetched += job.remaining
             fetching.append(job)

@@ -33,7 +33,7 @@ import httpx
 
 from benchmarks.ab import REPO, baseline_worktree, report
 from benchmarks.vs_vllm import LICENCE, QUESTIONS, context_messages, gateway_env, stream_chat
-from benchmarks.workload import build_contexts, load_tokenizer
+from benchmarks.workload import build_contexts, load_tokenizer, pre_encode
 from engine.loading import convert_default_model, default_cache_dir
 from tests.gateway_process import GatewayProcess
 
@@ -45,11 +45,9 @@ async def ttft(client: httpx.AsyncClient, url: str, text: str, question: str) ->
     return (await stream_chat(client, url, context_messages(text, question), 8))[0]
 
 
-def pre_encode(env: dict[str, str], texts: list[str], log: Path) -> None:
-    with GatewayProcess(env, log) as g:
-        for text in texts:
-            body = {"messages": [{"role": "system", "content": text}]}
-            httpx.post(f"{g.url}/contexts", json=body, timeout=900).raise_for_status()
+def store_contexts(env: dict[str, str], texts: list[str], log: Path) -> None:
+    with GatewayProcess(env, log) as g, httpx.Client(base_url=g.url, timeout=900) as client:
+        pre_encode(client, texts, None)
 
 
 def run_side(repo: Path, env: dict[str, str], long_text: str, texts: list[str], log: Path) -> dict[str, Any]:
@@ -93,7 +91,7 @@ def main() -> None:
     env = gateway_env(model, "float32", root / "store")
     long_text = LICENCE.read_text()[:17000]
     texts = build_contexts(load_tokenizer("default"), CONCURRENT + 2, 2048)
-    pre_encode(env, [long_text, *texts], root / "encode.log")
+    store_contexts(env, [long_text, *texts], root / "encode.log")
     sides: dict[str, list[dict[str, Any]]] = {"baseline": [], "this": []}
     with baseline_worktree(args.baseline, root) as worktree:
         for r in range(args.warmup_rounds + args.rounds):

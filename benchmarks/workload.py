@@ -117,6 +117,14 @@ def served_model(client: httpx.Client) -> str:
     return response.json()["data"][0]["id"]
 
 
+def metric(url: str, name: str) -> float | None:
+    """The value of the unlabelled metric ``name`` on the gateway at ``url`` (None: not exported)."""
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return None
+
+
 def pre_encode(client: httpx.Client, contexts: list[str], levels: list[str] | None) -> list[dict[str, Any]]:
     """``POST /v1/contexts`` for each context as a system message, so chats that open with it
     (a question after it) find its KV stored."""
