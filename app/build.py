@@ -93,6 +93,9 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
         vocabulary=identity.vocabulary,
         chunk_size=settings.chunk_size,
     )
+    if runner.device.type == "cpu":
+        with _stage(f"mapping {settings.kv_memory_bytes >> 20} MiB of KV memory{' (prefaulted)' if settings.kv_prefault else ''}"):
+            runner.use_kv_pool(settings.kv_memory_bytes, settings.kv_prefault)
     with _stage(f"opening the KV store {settings.store_url}"):
         store = open_store(settings.store_url, cache_bytes=settings.store_cache_bytes)
     # every thread but the model thread runs torch on one thread (app/threads.py)
@@ -166,6 +169,10 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
     metrics.engine_decode_tokens.set_function(lambda: loop.stats.decode_tokens)
     metrics.engine_prefill_tokens.set_function(lambda: loop.stats.prefill_tokens)
     metrics.kv_memory_budget.set(settings.kv_memory_bytes)
+    if runner.kv_pool is not None:
+        pool = runner.kv_pool
+        metrics.kv_pool_used.set_function(lambda: pool.used_bytes)
+        metrics.kv_pool_misses.set_function(lambda: pool.misses)
     metrics.replica.labels(settings.replica).set(1)
     if cache is not None:
         metrics.memory_prefix_bytes.set_function(lambda: cache.cached_bytes)

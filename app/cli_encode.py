@@ -85,7 +85,7 @@ def encode_file(
 
     contexts = gateway.contexts
     size = contexts.chunk_size
-    nbytes = len(token_ids) * gateway.runner.kv_bytes_per_token
+    nbytes = gateway.runner.kv_bytes(len(token_ids))
     gateway.memory.reserve(nbytes)
     try:
         started = time.perf_counter()

@@ -122,6 +122,16 @@ class Metrics:
         self.kv_memory_budget = Gauge(
             "cachegen:kv_memory_budget_bytes", "The KV memory budget (CACHEGEN_KV_MEMORY_BYTES).", registry=r
         )
+        self.kv_pool_used = Gauge(
+            "cachegen:kv_pool_used_bytes",
+            "KV pool blocks held by live buffers (engine/kv_pool.py; freed with the buffer's last reader).",
+            registry=r,
+        )
+        self.kv_pool_misses = Gauge(
+            "cachegen:kv_pool_misses",
+            "KV buffers allocated outside the pool: no run of free blocks was long enough.",
+            registry=r,
+        )
         self.waiting = Gauge("cachegen:num_requests_waiting", "Requests queued for the model.", registry=r)
         # the step loop's own counts (scheduler/step_loop.py StepStats): mean batch and step time
         self.engine_steps = Gauge("cachegen:engine_steps", "Model steps run.", registry=r)

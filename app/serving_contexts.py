@@ -95,7 +95,7 @@ def encode_tokens(
     stops it at the next prefill step, or before the encode.
     """
     started = time.perf_counter()
-    nbytes = len(token_ids) * gateway.runner.kv_bytes_per_token
+    nbytes = gateway.runner.kv_bytes(len(token_ids))
     gateway.memory.reserve(nbytes)
     try:
         kv = gateway.runner.new_kv(len(token_ids))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_pool import BLOCK_TOKENS, KVPool
 from engine.loading import LoadedModel
 from engine.ragged import ATTENTION_NAME, Segment, active, check_supported
 from engine.sampling import SamplingParams, make_generator, sample_next
@@ -55,6 +56,7 @@ class ModelRunner:
         self.eos_token_ids: frozenset[int] = _eos_ids(loaded)
         check_supported(config)
         self.model.set_attn_implementation(ATTENTION_NAME)
+        self.kv_pool: KVPool | None = None  # where ``new_kv`` takes buffers from (``use_kv_pool``)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -66,6 +68,18 @@ class ModelRunner:
 
     # -- KV buffers -------------------------------------------------------------------------------
 
+    def kv_bytes(self, tokens: int) -> int:
+        """The KV memory a buffer of ``tokens`` tokens takes: whole blocks of the pool's."""
+        return -(-tokens // BLOCK_TOKENS) * BLOCK_TOKENS * self.kv_bytes_per_token
+
+    def use_kv_pool(self, nbytes: int, prefault: bool = True) -> KVPool | None:
+        """Take KV buffers from a pool of ``nbytes`` (``engine.kv_pool``) from now on; on a CPU only,
+        where a fresh buffer's pages are faulted in as it is first written (a GPU's caching
+        allocator reuses its memory already)."""
+        if self.device.type == "cpu":
+            self.kv_pool = KVPool(nbytes, BLOCK_TOKENS * self.kv_bytes_per_token, prefault)
+        return self.kv_pool
+
     def new_kv(self, tokens: int) -> torch.Tensor:
         """An empty (layers, 2, heads, tokens, head_dim) buffer on the model's device, in its dtype.
 
@@ -74,6 +88,10 @@ class ModelRunner:
         generated tokens.
         """
         shape = (self.num_layers, 2, self.num_kv_heads, tokens, self.head_dim)
+        if self.kv_pool is not None:
+            kv = self.kv_pool.tensor(shape, self.loaded.dtype)
+            if kv is not None:
+                return kv
         return torch.empty(shape, device=self.device, dtype=self.loaded.dtype)
 
     # -- model passes -----------------------------------------------------------------------------

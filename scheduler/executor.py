@@ -90,7 +90,7 @@ class RequestExecutor:
         self.memory.check(self.kv_bytes(job))
 
     def kv_bytes(self, job: GenerationJob) -> int:
-        return job.capacity * self.runner.kv_bytes_per_token
+        return self.runner.kv_bytes(job.capacity)
 
     def run(self, job: GenerationJob, emit: Callable[[Any], None], cancel: threading.Event) -> None:
         handed = False
@@ -184,7 +184,7 @@ class RequestExecutor:
         shared = tuple(hit.parts()) if hit is not None and memory_only else ()
         reading = hit if 0 < len(shared) < MAX_PARTS else None
         tokens = job.capacity - (reading.tokens if reading is not None else 0)
-        nbytes = tokens * self.runner.kv_bytes_per_token
+        nbytes = self.runner.kv_bytes(tokens)
         staging = max(0, min(staging, self.memory.budget - nbytes))  # never what makes a request too large
         if not self.memory.reserve(nbytes + staging, cancel):
             self._unpin(hit)

@@ -68,6 +68,25 @@ def test_a_mixed_step_matches_stock_transformers(runner, ids):
         assert int(got.argmax()) == int(want.argmax())
 
 
+def test_buffers_from_the_kv_pool_serve_the_same_and_fall_back_when_it_is_full(runner, ids):
+    pool = runner.use_kv_pool(runner.kv_bytes(600), prefault=False)
+    assert pool is not None
+    try:
+        sequences, logits = mixed_step(runner, ids)  # 51, 134, 21, 301 and 7 tokens: 35 of 38 blocks
+        assert pool.misses == 0
+        assert pool.used_bytes == 0, "the step's buffers are gone, and their blocks with them"
+        assert runner.kv_bytes(7) == runner.kv_bytes(16) == 16 * runner.kv_bytes_per_token
+        for tokens, got in zip(sequences, logits):
+            want = stock_last_logits(runner, tokens)
+            assert got is not None and torch.allclose(got, want, atol=2e-3)
+        held = runner.new_kv(400)
+        assert pool.used_bytes == runner.kv_bytes(400)
+        outside = runner.new_kv(400)  # 25 blocks, 13 left
+        assert pool.misses == 1 and outside.shape == held.shape
+    finally:
+        runner.kv_pool = None
+
+
 def test_the_decodes_of_a_step_share_one_attention_call_per_layer(runner, ids, monkeypatch):
     calls: list[int] = []
     original = ragged._DecodeBatch.attend
