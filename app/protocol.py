@@ -408,7 +408,8 @@ class KVChunkInfo(BaseModel):
     fetch_ms: float
     decode_ms: float
     prefill_ms: float
-    idle_ms: float
+    idle_ms: float  # waited for the chunk's bytes
+    gate_ms: float = 0.0  # waited for the codec, decoding other requests' chunks
 
 
 class KVCacheInfo(BaseModel):

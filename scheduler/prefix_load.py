@@ -42,6 +42,7 @@ class ChunkReport:
     decode_ms: float = 0.0  # decode and placement in the buffer
     prefill_ms: float = 0.0  # text chunks: recompute
     idle_ms: float = 0.0  # the pipeline waited this long for the chunk's bytes
+    gate_ms: float = 0.0  # and this long for the codec, busy with other loads' decodes
 
 
 @dataclass

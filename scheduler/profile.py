@@ -30,8 +30,9 @@ from engine import ModelRunner
 
 log = logging.getLogger(__name__)
 
-# 2: decode timed into the model's buffer, on its device; 3: prefill timed on the serving path
-PROFILE_VERSION = 3
+# 2: decode timed into the model's buffer, on its device; 3: prefill timed on the serving path;
+# 4: serving no longer learns the wait for the codec gate as decode time (profiles saved by 3 had)
+PROFILE_VERSION = 4
 _EWMA = 0.2  # weight of the newest measurement
 
 

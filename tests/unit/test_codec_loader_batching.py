@@ -9,6 +9,7 @@ still end the prefix at the chunk before the bad one.
 from __future__ import annotations
 
 import struct
+import threading
 import time
 import zlib
 from concurrent.futures import Future
@@ -141,6 +142,25 @@ def test_decode_time_is_shared_and_observed_per_chunk(saved, batches) -> None:
     full, tail = seen[0][2], seen[-1][2]
     assert full == pytest.approx(tail * CHUNK / 3)  # shared in proportion to the predicted cost
     assert sum(c.decode_ms for c in result.chunks) == pytest.approx(sum(s for *_, s in seen) * 1000, abs=0.05)
+
+
+def test_waiting_for_the_codec_is_reported_apart_and_never_learned_as_decode_time(saved) -> None:
+    """Another load's decode holds the gate; this one's profile learns only its own decode."""
+    store, contexts, tokens = saved
+    seen: list[float] = []
+
+    class Profile(CostProfile):
+        def observe_decode(self, level: str, tokens: int, seconds: float) -> None:
+            seen.append(seconds)
+
+    gate = threading.Lock()
+    gate.acquire()  # the other load's decode
+    threading.Timer(0.3, gate.release).start()
+    result = load(store, contexts, tokens, MEDIUM, Profile({"medium": 1e-6}, 0.0, 1e-3, 0.0), codec_gate=gate)
+    assert result.tokens == len(tokens)
+    assert result.chunks[0].gate_ms >= 250
+    assert sum(seen) < 0.25, "the wait for the gate was learned as decode time"
+    assert sum(c.decode_ms for c in result.chunks) == pytest.approx(sum(seen) * 1000, abs=0.05)
 
 
 def forge_crc(data: bytes | bytearray) -> bytes:
