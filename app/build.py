@@ -97,7 +97,7 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
         with _stage(f"mapping {settings.kv_memory_bytes >> 20} MiB of KV memory{' (prefaulted)' if settings.kv_prefault else ''}"):
             runner.use_kv_pool(settings.kv_memory_bytes, settings.kv_prefault)
     with _stage(f"opening the KV store {settings.store_url}"):
-        store = open_store(settings.store_url, cache_bytes=settings.store_cache_bytes)
+        store = open_store(settings.store_url, cache_bytes=settings.store_cache_size)
     # every thread but the model thread runs torch on one thread (app/threads.py)
     worker_threads = worker_initializer(threads)
     io_pool = ThreadPoolExecutor(
@@ -137,7 +137,15 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
                 transform.id.hex(),
                 transform.model[:16] or "unknown",
             )
-    loader = PrefixLoader(store, geometry, io_pool, profile, codec_gate=codec_gate, transforms=transforms)
+    loader = PrefixLoader(
+        store,
+        geometry,
+        io_pool,
+        profile,
+        codec_gate=codec_gate,
+        transforms=transforms,
+        staging=runner.kv_pool.buffer if runner.kv_pool is not None else None,
+    )
     store_levels = default_store_levels(levels, profile, settings.chunk_size, runner.kv_bytes_per_token)
     log.info(
         "levels stored by default: %s (lossless %s: a raw chunk over 1 Gbit/s against its recompute)",

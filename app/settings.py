@@ -46,6 +46,9 @@ NameList = Annotated[list[str] | None, NoDecode, BeforeValidator(_name_list)]
 KeyList = Annotated[list[SecretStr] | None, NoDecode, BeforeValidator(_name_list)]
 
 
+DEFAULT_STORE_CACHE_BYTES = 512 * 2**20
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CACHEGEN_", extra="ignore")
 
@@ -86,8 +89,11 @@ class Settings(BaseSettings):
     store: str = Field(
         "", description="file:///dir, memory:// or s3://bucket/prefix; default: a dir in cache_dir"
     )
-    store_cache_bytes: int = Field(
-        512 * 2**20, ge=0, description="in-memory LRU in front of the store, bytes (0: off)"
+    store_cache_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="in-memory LRU in front of the store, bytes (0: off); default: 512 MiB in front of "
+        "a remote store, none in front of a local directory (the OS page cache keeps its hot files)",
     )
     store_threads: int = Field(8, ge=1, le=256, description="parallel chunk fetches and uploads")
     malloc_tuning: bool = Field(
@@ -231,3 +237,12 @@ class Settings(BaseSettings):
     @property
     def store_url(self) -> str:
         return self.store or f"file://{(self.cache_dir / 'store').resolve()}"
+
+    @property
+    def store_cache_size(self) -> int:
+        """The LRU tier's bytes. A local directory's reads are served from the page cache already,
+        so a tier there only held each hot chunk twice; it also kept fetches off the KV pool's
+        resident staging memory (``ObjectStore.get_into``)."""
+        if self.store_cache_bytes is not None:
+            return self.store_cache_bytes
+        return 0 if self.store_url.startswith("file://") else DEFAULT_STORE_CACHE_BYTES

@@ -33,7 +33,9 @@ from tests.gateway_process import GatewayProcess
 RESULTS = Path(__file__).resolve().parent / "results" / "memory_bench.json"
 KV_BUDGET = 2 * 2**30
 LRU_BYTES = 512 * 2**20
-CONFIGS = {"glibc": {"CACHEGEN_MALLOC_TUNING": "false"}, "default": {}}
+# the tier is set, not left to its default (none in front of a local store): the bound counts it
+_TIER = {"CACHEGEN_STORE_CACHE_BYTES": str(LRU_BYTES)}
+CONFIGS = {"glibc": {"CACHEGEN_MALLOC_TUNING": "false", **_TIER}, "default": _TIER}
 
 
 def rss_bytes(pid: int, field: str = "VmRSS") -> int:

@@ -91,6 +91,20 @@ class KVPool:
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialized contiguous tensor on the pool's blocks; None when no run fits."""
         nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        owner = self._carve(nbytes)
+        if owner is None:
+            return None
+        return torch.from_numpy(owner)[:nbytes].view(dtype).view(shape)  # its storage holds ``owner``
+
+    def buffer(self, nbytes: int) -> memoryview | None:
+        """``nbytes`` of writable memory on the pool's blocks (a fetched chunk's bytes are read into
+        it: the staging memory a request reserves with its KV); None when no run fits."""
+        owner = self._carve(nbytes)
+        return None if owner is None else memoryview(owner)[:nbytes]  # the view holds ``owner``
+
+    def _carve(self, nbytes: int) -> np.ndarray | None:
+        """A uint8 array over the whole blocks that hold ``nbytes``, whose blocks come back when
+        it is collected: what views it must keep this very object alive."""
         count = max(1, self.blocks_for(nbytes))
         with self._lock:
             self._take_back()
@@ -99,10 +113,9 @@ class KVPool:
                 self.misses += 1
                 return None
             self.used_blocks += count
-        lo, hi = first * self.block_bytes, (first + count) * self.block_bytes
-        owner = self._arena[lo:hi]  # a view of its own: the tensor's storage holds exactly it
+        owner = self._arena[first * self.block_bytes : (first + count) * self.block_bytes]
         weakref.finalize(owner, self._returned.append, (first, count))
-        return torch.from_numpy(owner)[:nbytes].view(dtype).view(shape)
+        return owner
 
     def _take(self, count: int) -> int | None:
         """The first block of the smallest free run of at least ``count`` blocks, taken out."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -64,7 +64,7 @@ FETCH_WINDOW = 2  # store chunks in flight once the link has been measured
 
 @dataclass
 class _Fetched:
-    data: bytes
+    data: bytes | memoryview  # a view of a staging buffer, or the store's own bytes
     issued: float
     arrived: float
 
@@ -79,8 +79,12 @@ class PrefixLoader:
         window: int = FETCH_WINDOW,
         codec_gate: AbstractContextManager[Any] | None = None,
         transforms: Mapping[bytes, KVTransform] | None = None,
+        staging: Callable[[int], memoryview | None] | None = None,
     ) -> None:
         self.store = store
+        # where fetched chunks are read into, when the store can (``ObjectStore.get_into``): the KV
+        # pool's blocks, already resident (``engine.kv_pool``); None from it: the store's own bytes
+        self.staging = staging
         # the transforms scheme-4 chunks may name: the level table's (None: every loaded table's)
         self.transforms = transforms
         # held around each decode: the codec's CPU work of all requests shares the thread budget
@@ -139,8 +143,11 @@ class PrefixLoader:
         issued = self.bandwidth.begin()
         received = 0
         cpu = time.thread_time()
-        try:
-            data = self.store.get(key, limit=max_chunk_bytes(self.geometry.chunk_shape(chunk.tokens)))
+        limit = max_chunk_bytes(self.geometry.chunk_shape(chunk.tokens))
+        size = chunk.sizes.get(level.name, 0)
+        buffer = self.staging(size + 1) if self.staging is not None and 0 < size <= limit else None
+        try:  # one byte more than the index says, so a read into the buffer sees the object's end
+            data = self.store.get(key, limit) if buffer is None else self.store.get_into(key, buffer, limit)
             received = len(data)
         finally:
             if metered:

@@ -56,6 +56,12 @@ class ObjectStore(abc.ABC):
     def get(self, key: str, limit: int = DEFAULT_LIMIT) -> bytes:
         """Whole object; raises ObjectNotFound, or ObjectTooLarge past ``limit`` bytes."""
 
+    def get_into(self, key: str, buffer: memoryview, limit: int = DEFAULT_LIMIT) -> bytes | memoryview:
+        """Like ``get``, reading into ``buffer`` where the store can and the object fits it: the
+        result is then a view of ``buffer``. Otherwise (the default) the bytes are wherever the
+        store has them, ``buffer`` unused."""
+        return self.get(key, limit)
+
     @abc.abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """``length`` bytes from ``start`` (fewer at the end of the object)."""

@@ -95,6 +95,17 @@ class StoreContract:
         with pytest.raises(ObjectNotFound):
             store.get("missing", limit=1)
 
+    def test_get_into_gives_the_objects_bytes_whatever_the_buffer(self, store: ObjectStore) -> None:
+        data = os.urandom(3000)
+        store.put("obj", data)
+        for size in (1, 3000, 3001, 8192):  # too small, exactly the object (no room to see its end), roomy
+            buffer = memoryview(bytearray(size))
+            assert bytes(store.get_into("obj", buffer, limit=3000)) == data
+        with pytest.raises(ObjectTooLarge):
+            store.get_into("obj", memoryview(bytearray(8192)), limit=2999)
+        with pytest.raises(ObjectNotFound):
+            store.get_into("missing", memoryview(bytearray(8192)))
+
     @pytest.mark.parametrize("key", ["", "/abs", "a//b", "../x", "a/../b", "a/./b", "sp ace", "a/"])
     def test_rejects_bad_keys(self, store: ObjectStore, key: str) -> None:
         with pytest.raises(ValueError):

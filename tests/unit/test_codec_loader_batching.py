@@ -20,6 +20,7 @@ import torch
 import scheduler.loader as loader_module
 from codec import LOSSLESS, Level, Scheme, decode_chunk, encode_chunk, level_digest
 from codec.quantized import QuantParams
+from engine.kv_pool import KVPool
 from scheduler.contexts import ContextStore
 from scheduler.geometry import KVGeometry
 from scheduler.layout import chunk_object_key
@@ -28,6 +29,7 @@ from scheduler.prefix import make_fingerprint
 from scheduler.prefix_load import KVRequest
 from scheduler.profile import CostProfile
 from scheduler.stored import find_stored_prefix
+from storage.local import LocalStore
 from storage.memory import MemoryStore
 
 CHUNK = 8
@@ -161,6 +163,33 @@ def test_waiting_for_the_codec_is_reported_apart_and_never_learned_as_decode_tim
     assert result.chunks[0].gate_ms >= 250
     assert sum(seen) < 0.25, "the wait for the gate was learned as decode time"
     assert sum(c.decode_ms for c in result.chunks) == pytest.approx(sum(seen) * 1000, abs=0.05)
+
+
+def test_fetched_chunks_are_read_into_staging_memory_that_comes_back(saved, tmp_path) -> None:
+    """A local store reads each chunk into the KV pool's blocks; they are free again after the load."""
+    store, contexts, tokens = saved
+    local = LocalStore(tmp_path / "store")
+    for info in store.list():
+        local.put(info.key, store.get(info.key))
+    pool = KVPool(16 << 20, 4096, prefault=False)
+    views: list[memoryview] = []
+
+    def staging(nbytes: int) -> memoryview | None:
+        buffer = pool.buffer(nbytes)
+        assert buffer is not None
+        views.append(buffer)
+        return buffer
+
+    profile = CostProfile({"lossless": 1e-6}, 0.0, 1e-3, 0.0)
+    loader = PrefixLoader(local, GEOMETRY, ImmediatePool(), profile, staging=staging)  # type: ignore[arg-type]
+    request = KVRequest([LOSSLESS], {"lossless": 0.0}, fixed=True)
+    prefix = stored(local, contexts, tokens, LOSSLESS)
+    result = loader.load(Buffer(), prefix, tokens, request, len(tokens) + 1, time.perf_counter())
+    assert result.tokens == len(tokens) and result.faults == []
+    assert torch.equal(result.kv, expected_kv(store, contexts, tokens, LOSSLESS))
+    assert len(views) == 6
+    views.clear()
+    assert pool.used_bytes == 0, "a fetched chunk's staging memory outlived its load"
 
 
 def forge_crc(data: bytes | bytearray) -> bytes:

@@ -18,6 +18,13 @@ class TestLocalStore(StoreContract):
     def store(self, tmp_path: Path) -> ObjectStore:
         return LocalStore(tmp_path / "objects")
 
+    def test_get_into_reads_into_the_buffer_when_the_object_fits(self, store: LocalStore) -> None:
+        store.put("obj", b"abc")
+        buffer = memoryview(bytearray(16))
+        got = store.get_into("obj", buffer)
+        assert isinstance(got, memoryview) and got.obj is buffer.obj and bytes(got) == b"abc"
+        assert isinstance(store.get_into("obj", memoryview(bytearray(3))), bytes)  # no room: its own
+
     def test_listing_skips_half_written_files(self, store: LocalStore) -> None:
         store.put("a/1", b"x")
         (store.root / "a" / ".tmp-crashed").write_bytes(b"partial")
