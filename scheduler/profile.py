@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 # 4: serving no longer learns the wait for the codec gate as decode time (profiles saved by 3 had)
 PROFILE_VERSION = 4
 _EWMA = 0.2  # weight of the newest measurement
+# Objects smaller than this do not teach the per-byte receive cost. A local read costs about 1 ms
+# of CPU whatever its size: 80-130 KB chunk tails read as 9e-9 s/byte, 11.8 MB raw chunks as
+# 3e-10 to 1e-9. With a 64 KiB floor the tails taught a raw chunk's receive to cost 70-100 ms,
+# and the planner sent loads from a local disk to lossy levels that decode 5x slower.
+RECEIVE_MIN_BYTES = 1 << 20
 
 
 @dataclass
@@ -72,8 +77,8 @@ class CostProfile:
         return self.receive_s_per_byte * nbytes
 
     def observe_receive(self, nbytes: int, cpu_seconds: float) -> None:
-        if nbytes < 65536:
-            return  # small objects are all per-request overhead
+        if nbytes < RECEIVE_MIN_BYTES:
+            return  # a small object's time is mostly the request's own overhead, not its bytes
         with self._lock:
             new = max(cpu_seconds, 0.0) / nbytes
             old = self.receive_s_per_byte
