@@ -51,8 +51,9 @@ from storage import ObjectNotFound, ObjectStore, ObjectTooLarge, StorageError
 
 log = logging.getLogger(__name__)
 
-# Assumed link rate until this process has measured one (100 Mbit/s): only the
-# first request's first chunk is planned with it; text is not chosen on it.
+# Assumed link rate until this process has measured one (100 Mbit/s), unless the store knows
+# better (a local directory: ``ObjectStore.prior_bytes_per_second``): the first request's first
+# chunks are planned with it; text is not chosen on it.
 PRIOR_BYTES_PER_SECOND = 12.5e6
 _SLOWDOWN_EWMA = 0.3
 BUDGET_SHARE = 0.8
@@ -219,7 +220,9 @@ class _LoadRun:
 
     def _rate(self) -> tuple[float, bool]:
         measured = self.loader.bandwidth.bytes_per_second
-        return (measured, True) if measured else (PRIOR_BYTES_PER_SECOND, False)
+        if measured:
+            return measured, True
+        return self.loader.store.prior_bytes_per_second or PRIOR_BYTES_PER_SECOND, False
 
     def _replan(self, current: int) -> None:
         if self.committed >= len(self.chunks):

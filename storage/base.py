@@ -51,6 +51,9 @@ class ObjectStore(abc.ABC):
     """A flat namespace of immutable-ish byte objects."""
 
     url: str
+    # what a read is expected to move per second before any was measured (None: unknown, a link);
+    # planners price the first fetches of a process with it
+    prior_bytes_per_second: float | None = None
 
     @abc.abstractmethod
     def get(self, key: str, limit: int = DEFAULT_LIMIT) -> bytes:

@@ -36,6 +36,7 @@ class LRUCacheStore(ObjectStore):
             raise ValueError("capacity_bytes must be positive")
         self.backend = backend
         self.url = backend.url
+        self.prior_bytes_per_second = backend.prior_bytes_per_second
         self.capacity_bytes = capacity_bytes
         self.size_bytes = 0
         self.hits = 0

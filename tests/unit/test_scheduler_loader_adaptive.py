@@ -14,17 +14,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+import scheduler.loader as loader_module
 from codec import LOSSLESS, Level, Scheme
 from codec.quantized import QuantParams
 from scheduler.contexts import ContextStore
 from scheduler.geometry import KVGeometry
-from scheduler.loader import PrefixLoader
-from scheduler.planner import TEXT
+from scheduler.loader import PRIOR_BYTES_PER_SECOND, PrefixLoader
+from scheduler.planner import TEXT, plan
 from scheduler.prefix import make_fingerprint
 from scheduler.prefix_load import KVRequest
 from scheduler.profile import CostProfile
 from scheduler.stored import find_stored_prefix
 from storage.base import DEFAULT_LIMIT
+from storage.local import LocalStore
 from storage.memory import MemoryStore
 
 CHUNK = 16
@@ -139,3 +141,24 @@ def test_named_level_is_used_for_every_chunk_whatever_the_link():
     request = KVRequest([MEDIUM], RANKS, fixed=True, budget_s=0.01)
     result = loader.load(SimulatedRunner(), stored, tokens, request, len(tokens) + 1, time.perf_counter())
     assert sources(result) == ["medium"] * 12
+
+
+def test_a_store_that_knows_its_rate_has_its_first_chunks_planned_with_it(monkeypatch):
+    """A process's first fetches are priced at the store's prior: 100 Mbit/s for a link, the
+    store's own for a local directory (``LocalStore.prior_bytes_per_second``)."""
+    rates: list[float] = []
+
+    def recording(inputs):
+        rates.append(inputs.rate_bps)
+        return plan(inputs)
+
+    monkeypatch.setattr(loader_module, "plan", recording)
+    _, contexts, loader, tokens = setup(rate_bps=1e9)
+    run(contexts, loader, tokens)
+    assert rates[0] == PRIOR_BYTES_PER_SECOND
+    rates.clear()
+    store, contexts, loader, tokens = setup(rate_bps=1e9)
+    store.prior_bytes_per_second = 2e9
+    run(contexts, loader, tokens)
+    assert rates[0] == 2e9
+    assert LocalStore.prior_bytes_per_second and LocalStore.prior_bytes_per_second > PRIOR_BYTES_PER_SECOND
