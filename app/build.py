@@ -93,9 +93,8 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
         vocabulary=identity.vocabulary,
         chunk_size=settings.chunk_size,
     )
-    if runner.device.type == "cpu":
-        with _stage(f"mapping {settings.kv_memory_bytes >> 20} MiB of KV memory{' (prefaulted)' if settings.kv_prefault else ''}"):
-            runner.use_kv_pool(settings.kv_memory_bytes, settings.kv_prefault)
+    with _stage(f"the KV pool ({settings.kv_memory_bytes >> 20} MiB on a CPU, prefault {settings.kv_prefault})"):
+        runner.use_kv_pool(settings.kv_memory_bytes, settings.kv_prefault)
     with _stage(f"opening the KV store {settings.store_url}"):
         store = open_store(settings.store_url, cache_bytes=settings.store_cache_size)
     # every thread but the model thread runs torch on one thread (app/threads.py)

@@ -12,6 +12,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from storage.base import DEFAULT_LIMIT, ObjectInfo, ObjectStore, check_key, check_size
 from storage.errors import ObjectNotFound, StorageError
@@ -38,9 +39,7 @@ class LocalStore(ObjectStore):
         try:
             with self._path(key).open("rb") as f:
                 check_size(key, os.fstat(f.fileno()).st_size, limit)
-                data = f.read(limit + 1)  # a file that grew since the stat is cut off too
-            check_size(key, len(data), limit)
-            return data
+                return _read_whole(f, key, limit)
         except FileNotFoundError:
             raise ObjectNotFound(key) from None
         except OSError as exc:
@@ -50,13 +49,11 @@ class LocalStore(ObjectStore):
         """Read straight into ``buffer`` when the object fits it: memory that is already resident
         costs no page faults, which were most of a fresh 11 MiB read's time (``engine/kv_pool.py``)."""
         try:
-            with self._path(key).open("rb", buffering=0) as f:
+            with self._path(key).open("rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 check_size(key, size, limit)
-                if size >= len(buffer):  # no room to see the end of the file: read as ``get`` does
-                    data = f.read(limit + 1)
-                    check_size(key, len(data), limit)
-                    return data
+                if size >= len(buffer):  # no room to see the end of the file
+                    return _read_whole(f, key, limit)
                 got = 0
                 while got <= size:  # past ``size`` only if the file grew since the stat
                     n = f.readinto(buffer[got:])
@@ -65,9 +62,7 @@ class LocalStore(ObjectStore):
                     got += n
                 if got > size:  # it grew: read it whole, as ``get`` does
                     f.seek(0)
-                    data = f.read(limit + 1)
-                    check_size(key, len(data), limit)
-                    return data
+                    return _read_whole(f, key, limit)
                 return buffer[:got]
         except FileNotFoundError:
             raise ObjectNotFound(key) from None
@@ -144,3 +139,9 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _read_whole(f: BinaryIO, key: str, limit: int) -> bytes:
+    data = f.read(limit + 1)  # a file that grew past the limit since the stat is cut off too
+    check_size(key, len(data), limit)
+    return data
