@@ -27,9 +27,16 @@ TRANSFORM_TABLE = Path(__file__).resolve().parents[2] / "codec" / "levels" / "Sm
 @pytest.fixture(scope="module", params=["builtin", "transform"])
 def gateway(request, tmp_path_factory) -> Iterator[GatewayProcess]:
     """Without the prefix cache: every request here must load the store's levels, not KV that an
-    earlier request left in memory."""
+    earlier request left in memory. With an LRU tier (none by default in front of a local store):
+    the chunks the pre-encodes write stay in it, so no read measures the link, and auto never
+    weighs a level against recomputing from text (exact, and within a loose budget on a measured
+    link): what is tested here is which levels auto may use."""
     root = tmp_path_factory.mktemp("levels")
-    env = {"CACHEGEN_STORE": f"file://{root / 'store'}", "CACHEGEN_PREFIX_CACHE": "false"}
+    env = {
+        "CACHEGEN_STORE": f"file://{root / 'store'}",
+        "CACHEGEN_PREFIX_CACHE": "false",
+        "CACHEGEN_STORE_CACHE_BYTES": str(512 * 2**20),
+    }
     if request.param == "transform":
         env["CACHEGEN_LEVELS_FILE"] = str(TRANSFORM_TABLE)
     with GatewayProcess(env, root / "gateway.log") as proc:
