@@ -35,7 +35,11 @@ KV_BUDGET = 2 * 2**30
 LRU_BYTES = 512 * 2**20
 # the tier is set, not left to its default (none in front of a local store): the bound counts it
 _TIER = {"CACHEGEN_STORE_CACHE_BYTES": str(LRU_BYTES)}
-CONFIGS = {"glibc": {"CACHEGEN_MALLOC_TUNING": "false", **_TIER}, "default": _TIER}
+CONFIGS = {
+    "glibc": {"CACHEGEN_MALLOC_TUNING": "false", **_TIER},
+    "default": _TIER,
+    "no-prefault": {"CACHEGEN_KV_PREFAULT": "false", **_TIER},  # the KV pool faulted in as it is used
+}
 
 
 def rss_bytes(pid: int, field: str = "VmRSS") -> int:
