@@ -90,7 +90,7 @@ class KVPool:
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialized contiguous tensor on the pool's blocks; None when no run fits."""
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         owner = self._carve(nbytes)
         if owner is None:
             return None
