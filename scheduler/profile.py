@@ -34,11 +34,13 @@ log = logging.getLogger(__name__)
 # 4: serving no longer learns the wait for the codec gate as decode time (profiles saved by 3 had)
 PROFILE_VERSION = 4
 _EWMA = 0.2  # weight of the newest measurement
-# Objects smaller than this do not teach the per-byte receive cost. A local read costs about 1 ms
-# of CPU whatever its size: 80-130 KB chunk tails read as 9e-9 s/byte, 11.8 MB raw chunks as
-# 3e-10 to 1e-9. With a 64 KiB floor the tails taught a raw chunk's receive to cost 70-100 ms,
-# and the planner sent loads from a local disk to lossy levels that decode 5x slower.
-RECEIVE_MIN_BYTES = 1 << 20
+# A fetch's receive is an overhead per object and a cost per byte. A local read costs about 1 ms of
+# CPU whatever its size: 80-130 KB chunk tails read as 9e-9 s/byte, 11.8 MB raw chunks as 3e-10
+# to 1e-9. Learning one cost per byte from every object over 64 KiB, the tails taught a raw
+# chunk's receive to cost 70-100 ms, and the planner sent loads from a local disk to lossy levels
+# that decode 5x slower. Objects below this size teach the overhead; larger ones the cost per
+# byte, over the overhead.
+RECEIVE_SMALL_BYTES = 256 << 10
 
 
 @dataclass
@@ -51,6 +53,7 @@ class CostProfile:
     # machine with few cores it competes with decode and prefill, so the planner charges it to
     # the compute side: a raw chunk is 15x the bytes of a lossy one. Learned while serving.
     receive_s_per_byte: float = 0.0
+    receive_s_per_object: float = 0.0  # the same, per fetch whatever its size
     version: int = PROFILE_VERSION
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -74,15 +77,18 @@ class CostProfile:
             self.decode_s_per_token[level] = new
 
     def receive_seconds(self, nbytes: int) -> float:
-        return self.receive_s_per_byte * nbytes
+        return self.receive_s_per_object + self.receive_s_per_byte * nbytes if nbytes > 0 else 0.0
 
     def observe_receive(self, nbytes: int, cpu_seconds: float) -> None:
-        if nbytes < RECEIVE_MIN_BYTES:
-            return  # a small object's time is mostly the request's own overhead, not its bytes
+        if nbytes <= 0:
+            return
+        cpu_seconds = max(cpu_seconds, 0.0)
         with self._lock:
-            new = max(cpu_seconds, 0.0) / nbytes
-            old = self.receive_s_per_byte
-            self.receive_s_per_byte = new if old == 0.0 else (1 - _EWMA) * old + _EWMA * new
+            if nbytes < RECEIVE_SMALL_BYTES:
+                self.receive_s_per_object = _ewma(self.receive_s_per_object, cpu_seconds)
+            else:
+                per_byte = max(cpu_seconds - self.receive_s_per_object, 0.0) / nbytes
+                self.receive_s_per_byte = _ewma(self.receive_s_per_byte, per_byte)
 
     def observe_prefill(self, tokens: int, past: int, seconds: float) -> None:
         """Scale the whole prefill model by how far a real prefill was from its prediction."""
@@ -115,7 +121,13 @@ class CostProfile:
             prefill_s_per_token=float(data["prefill_s_per_token"]),
             prefill_s_per_token_position=float(data["prefill_s_per_token_position"]),
             receive_s_per_byte=max(float(data.get("receive_s_per_byte", 0.0)), 0.0),
+            receive_s_per_object=max(float(data.get("receive_s_per_object", 0.0)), 0.0),
         )
+
+
+def _ewma(old: float, new: float) -> float:
+    """The first observation as it is, then an average that weights the newest by ``_EWMA``."""
+    return new if old == 0.0 else (1 - _EWMA) * old + _EWMA * new
 
 
 def profile_key(fingerprint_hex: str, runner: ModelRunner, levels: list[Level], chunk_size: int) -> str:
