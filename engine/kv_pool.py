@@ -10,8 +10,8 @@ its pages are faulted in once (at start-up with ``prefault``, else on their
 first use), and a freed buffer's blocks are reused, already resident.
 
 - **Blocks.** The region is cut into blocks of ``BLOCK_TOKENS`` tokens' KV,
-  the prefix cache's block (``scheduler.prefix_cache.BLOCK_TOKENS``, a divisor
-  of the store's 256-token chunks). A buffer is a run of consecutive blocks,
+  which is also the prefix cache's block (``scheduler.prefix_cache`` takes it
+  from here), a divisor of the store's 256-token chunks. A buffer is a run of consecutive blocks,
   so it is one contiguous ``(layers, 2, kv_heads, tokens, head_dim)`` tensor,
   the layout every reader already takes; the codec decodes into it in place.
   A request reserves whole blocks from ``KVMemory`` (``ModelRunner.kv_bytes``),

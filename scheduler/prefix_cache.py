@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.kv_pool import BLOCK_TOKENS  # a cached block is a block of the KV pool
 from scheduler.tenancy import KeySpace
 
-BLOCK_TOKENS = 16
 MAX_PARTS = 4  # a hit whose KV lies in more buffers than this is copied instead of shared
 
 
