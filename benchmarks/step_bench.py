@@ -7,6 +7,9 @@ the default model is loaded and, for each batch size, a decode step is timed:
   in one batched call per layer;
 - ``looped``: the same with the batching off (``BATCH_MAX_KEYS = 0``), one
   attention call per sequence and layer, as before;
+- ``plain head``: the step loop's path with the output projection as a plain
+  ``nn.Linear`` (MKL), where the runner has packed it for oneDNN
+  (``engine/packed_linear.py``: float32 on a CPU);
 - ``padded``: what transformers offers out of the box, one left-padded batch,
   a ``DynamicCache`` and a 2D mask, SDPA attention (``--padded``; slow to
   set up, so off by default).
@@ -79,6 +82,23 @@ def padded_step(runner, buffers, lengths):
     return step, build
 
 
+def with_plain_head(runner, step):
+    """``step`` with the model's output projection swapped for a plain ``nn.Linear`` of the same weight."""
+    model = runner.model
+    packed = model.get_output_embeddings()
+    plain = torch.nn.Linear(packed.in_features, packed.out_features, bias=packed.bias is not None)
+    plain.weight, plain.bias = packed.weight, packed.bias
+
+    def run() -> None:
+        model.set_output_embeddings(plain)
+        try:
+            step()
+        finally:
+            model.set_output_embeddings(packed)
+
+    return run
+
+
 def measure(runner, ids, batches, args) -> list[dict]:
     from engine import ragged
     from engine.ragged import Segment
@@ -105,6 +125,8 @@ def measure(runner, ids, batches, args) -> list[dict]:
             return run
 
         variants = {"batched": with_keys(ragged.BATCH_MAX_KEYS), "looped": with_keys(0)}
+        if runner.packed_output:
+            variants["plain_head"] = with_plain_head(runner, ragged_step)
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, fn in variants.items():
@@ -185,11 +207,14 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=2))
     padded = " padded ms |" if args.padded else ""
-    print(f"\n| precision | batch | batched ms | looped ms | looped / batched | batched tok/s |{padded}")
-    print("|---|---:|---:|---:|---:|---:|" + ("---:|" if args.padded else ""))
+    head = " plain head ms | plain head / batched |"
+    print(f"\n| precision | batch | batched ms | looped ms | looped / batched | batched tok/s |{head}{padded}")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.padded else ""))
     for result in results:
         for r in result["rows"]:
-            extra = f" {r['padded_ms']} |" if args.padded else ""
+            plain = r.get("plain_head_ms")
+            extra = f" {plain} | {plain / r['batched_ms']:.2f} |" if plain else " - | - |"
+            extra += f" {r['padded_ms']} |" if args.padded else ""
             print(
                 f"| {result['precision']} | {r['batch']} | {r['batched_ms']} | {r['looped_ms']} | "
                 f"{r['looped_ms'] / r['batched_ms']:.2f} | {r['batch'] / r['batched_ms'] * 1000:.1f} |{extra}"

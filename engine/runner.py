@@ -20,6 +20,7 @@ import torch
 
 from engine.kv_pool import BLOCK_TOKENS, KVPool
 from engine.loading import LoadedModel
+from engine.packed_linear import pack_output_projection
 from engine.ragged import ATTENTION_NAME, Segment, active, check_supported
 from engine.sampling import SamplingParams, make_generator, sample_next
 
@@ -56,6 +57,7 @@ class ModelRunner:
         self.eos_token_ids: frozenset[int] = _eos_ids(loaded)
         check_supported(config)
         self.model.set_attn_implementation(ATTENTION_NAME)
+        self.packed_output = pack_output_projection(self.model)  # float32 on a CPU: engine.packed_linear
         self.kv_pool: KVPool | None = None  # where ``new_kv`` takes buffers from (``use_kv_pool``)
 
     @property

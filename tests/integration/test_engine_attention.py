@@ -13,6 +13,8 @@ import torch
 
 from engine import ModelRunner, load_model, ragged
 from engine.bf16_weights import Bf16WeightLinear, use_bf16_weights
+from engine.identity import parameters_digest
+from engine.packed_linear import PackedLinear
 from engine.ragged import Segment
 
 pytestmark = pytest.mark.slow
@@ -210,6 +212,7 @@ def test_bf16_weights_replace_every_linear_and_keep_the_answers(model_dir, runne
     assert loaded.model.model.embed_tokens.weight.dtype == torch.float32
 
     mixed = ModelRunner(loaded)
+    assert not mixed.packed_output  # its output projection is bf16 already
     kv = mixed.new_kv(len(ids))
     got = mixed.forward_ragged([Segment(kv, 0, ids, "all")])[0]
     assert kv.dtype == torch.float32
@@ -231,3 +234,22 @@ def test_use_bf16_weights_counts_what_it_replaced():
     assert use_bf16_weights(model) == 2
     got = model(x)
     assert got.dtype == torch.float32 and torch.allclose(got, want, atol=5e-2)
+
+
+def test_the_output_projection_is_packed_without_changing_the_weights_or_their_digest(model_dir, runner, ids):
+    model = runner.model
+    head = model.get_output_embeddings()
+    assert runner.packed_output and isinstance(head, PackedLinear)
+    assert head.weight is model.get_input_embeddings().weight  # still tied: no second plain copy
+
+    rows = torch.randn(8, head.in_features)
+    assert torch.allclose(head(rows), torch.nn.functional.linear(rows, head.weight), atol=1e-4)
+
+    plain = load_model(str(model_dir), dtype="float32").model  # never packed
+    assert type(plain.get_output_embeddings()) is torch.nn.Linear
+    assert parameters_digest(model.named_parameters()) == parameters_digest(plain.named_parameters())
+
+    with torch.inference_mode():  # the engine's logits against the unpacked model's own
+        want = plain(input_ids=torch.tensor([ids[:40]]), use_cache=False).logits[0].float()
+    got = runner.forward_ragged([Segment(runner.new_kv(40), 0, ids[:40], "all")])[0]
+    assert got is not None and torch.allclose(got, want, atol=2e-3)
