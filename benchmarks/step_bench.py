@@ -17,7 +17,11 @@ the default model is loaded and, for each batch size, a decode step is timed:
 The variants alternate ``--rounds`` times and the median of each is kept, so a
 machine whose speed drifts affects them alike. A prefill of ``--prefill``
 tokens as serving runs it (``ModelRunner.prefill``, 512 a pass) is timed
-against one plain SDPA forward of the same tokens. Prints a table, writes JSON.
+against one plain SDPA forward of the same tokens. ``--questions N`` times
+the floor under N concurrent questions on stored contexts: one step that
+prefills N questions (``--question-tokens`` each) after ``--question-prefix``
+cached tokens of their own, against the step of one such question alone, and
+the share of the step that attention takes. Prints a table, writes JSON.
 
     python -m benchmarks.step_bench --batch 1,8,16 --dtypes float32,bf16-weights
 """
@@ -169,6 +173,55 @@ def prefill_seconds(runner, ids, tokens: int, rounds: int) -> tuple[float, float
     return statistics.median(engine), statistics.median(sdpa)
 
 
+def question_steps(runner, ids, count: int, prefix: int, tokens: int, rounds: int) -> dict:
+    """One step prefilling ``count`` questions of ``tokens`` tokens, each after ``prefix`` cached tokens
+    in a buffer of its own (as loads leave them), against one such question alone; medians of
+    ``rounds`` alternating runs, and the attention's share of the batched step."""
+    from engine import ragged
+    from engine.ragged import Segment
+
+    buffers = [runner.new_kv(prefix + tokens) for _ in range(count)]
+    for kv in buffers:
+        kv.normal_()  # what the prefix holds does not change the work
+    question = ids[prefix : prefix + tokens]
+
+    def step(n: int) -> None:
+        runner.forward_ragged([Segment(kv, prefix, question) for kv in buffers[:n]])
+
+    alone, together = [], []
+    for _ in range(rounds):
+        alone.append(seconds(lambda: step(1), 1))
+        together.append(seconds(lambda: step(count), 1))
+    attention = [0.0]
+    plain = ragged.ragged_attention
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return plain(*args, **kwargs)
+        finally:
+            attention[0] += time.perf_counter() - started
+
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ragged.ATTENTION_NAME, timed)
+    try:
+        runner.model.set_attn_implementation(ragged.ATTENTION_NAME)
+        step_s = seconds(lambda: step(count), 1)
+        attention_s = attention[0] / 2  # ``seconds`` ran the step twice
+    finally:
+        AttentionInterface.register(ragged.ATTENTION_NAME, plain)
+        runner.model.set_attn_implementation(ragged.ATTENTION_NAME)
+    return {
+        "questions": count,
+        "prefix_tokens": prefix,
+        "question_tokens": tokens,
+        "alone_s": round(statistics.median(alone), 3),
+        "together_s": round(statistics.median(together), 3),
+        "attention_share": round(attention_s / step_s, 2),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", default="1,8,16")
@@ -176,6 +229,9 @@ def main() -> None:
     p.add_argument("--min-len", type=int, default=40)
     p.add_argument("--max-len", type=int, default=180)
     p.add_argument("--prefill", type=int, default=1024, help="tokens of the timed chunked prefill (0: none)")
+    p.add_argument("--questions", type=int, default=0, help="concurrent questions on stored contexts (0: none)")
+    p.add_argument("--question-prefix", type=int, default=2048)
+    p.add_argument("--question-tokens", type=int, default=30)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--padded", action="store_true", help="also time transformers' padded batch")
@@ -200,6 +256,10 @@ def main() -> None:
         if args.prefill:
             engine_s, sdpa_s = prefill_seconds(runner, ids, args.prefill, args.rounds)
             result["prefill_s"], result["sdpa_prefill_s"] = round(engine_s, 3), round(sdpa_s, 3)
+        if args.questions:
+            result["question_steps"] = question_steps(
+                runner, ids, args.questions, args.question_prefix, args.question_tokens, args.rounds
+            )
         results.append(result)
         del runner
 
@@ -224,6 +284,15 @@ def main() -> None:
         for result in results:
             ratio = result["prefill_s"] / result["sdpa_prefill_s"]
             print(f"| {result['precision']} | {result['prefill_s']} | {result['sdpa_prefill_s']} | {ratio:.2f} |")
+    for result in results:
+        q = result.get("question_steps")
+        if q:
+            print(
+                f"\n{result['precision']}: one step prefilling {q['questions']} questions of "
+                f"{q['question_tokens']} tokens after {q['prefix_tokens']} cached: {q['together_s']} s, "
+                f"one alone {q['alone_s']} s ({q['together_s'] / q['alone_s']:.1f}x); "
+                f"attention {q['attention_share']:.0%} of the step"
+            )
     print(f"wrote {out}")
 
 
