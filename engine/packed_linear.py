@@ -56,6 +56,8 @@ class PackedLinear(nn.Module):
 def pack_output_projection(model: nn.Module) -> bool:
     """Replace ``model``'s output projection by a ``PackedLinear`` where that applies; True if it did."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, PackedLinear):  # a second runner over the same model
+        return True
     weight = getattr(head, "weight", None)
     if type(head) is not nn.Linear or weight is None:
         return False
