@@ -58,9 +58,7 @@ def engine_tokens(runner, batch: list[list[int]], max_tokens: int) -> int:
         generated += len(tokens)
         if step + 1 == max_tokens:
             break
-        logits = runner.forward_ragged(
-            [Segment(kv, n, [t]) for kv, n, t in zip(buffers, lengths, tokens)]
-        )
+        logits = runner.forward_ragged([Segment(kv, n, [t]) for kv, n, t in zip(buffers, lengths, tokens)])
         lengths = [n + 1 for n in lengths]
     return generated
 
@@ -93,8 +91,8 @@ def main() -> None:
     for count in [int(n) for n in args.requests.split(",")]:
         batch = prompts(runner.tokenizer, count)
         runs = {
-            "engine": lambda n: engine_tokens(runner, batch, n),
-            "transformers": lambda n: transformers_tokens(theirs, batch, n),
+            "engine": lambda n, batch=batch: engine_tokens(runner, batch, n),
+            "transformers": lambda n, batch=batch: transformers_tokens(theirs, batch, n),
         }
         whole: dict[str, list[float]] = {name: [] for name in runs}
         with torch.inference_mode():

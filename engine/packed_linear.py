@@ -61,7 +61,11 @@ def pack_output_projection(model: nn.Module) -> bool:
     weight = getattr(head, "weight", None)
     if type(head) is not nn.Linear or weight is None:
         return False
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or not torch.backends.mkldnn.is_available()
+    ):
         return False
     try:
         packed = PackedLinear(head)
