@@ -14,7 +14,7 @@ prompts, all submitted at once, for each N in ``--requests``:
 Both run float32 on the same threads. Tokens/s count the generated tokens
 over the wall time of the whole batch, the median of ``--rounds``
 alternating rounds. ``generate_batch`` builds its manager and paged cache on
-every call, which here cost 4-7 s (a 1-token call took 4.1 s; the first call
+every call, which here cost about 4 s (a 1-token call of 8 requests took 4.1 s; the first call
 in a process about 40 s, not counted: a warm-up call comes first); the
 engine's buffers come from the runner as a request needs them.
 
