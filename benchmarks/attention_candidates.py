@@ -45,6 +45,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from benchmarks.step_bench import seconds
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 Q_HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 
@@ -155,14 +157,6 @@ def flex_call(step: Step, compiled):
     return run, make_mask
 
 
-def per_call_ms(fn, repeats: int) -> float:
-    fn()
-    started = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - started) / repeats * 1000
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
@@ -194,7 +188,7 @@ def main() -> None:
                 run()
                 compile_s = time.perf_counter() - started
                 candidates["flex"] = run
-                mask_ms = per_call_ms(make_mask, 3)
+                mask_ms = seconds(make_mask, 3) * 1000
             want = step.per_sequence(candidates["engine"]())
             for candidate, run in candidates.items():
                 got = step.per_sequence(run())
@@ -203,7 +197,7 @@ def main() -> None:
             times: dict[str, list[float]] = {c: [] for c in candidates}
             for _ in range(args.rounds):
                 for candidate, run in candidates.items():
-                    times[candidate].append(per_call_ms(run, args.repeats))
+                    times[candidate].append(seconds(run, args.repeats) * 1000)
         row = {"workload": name, "shape": shape}
         row.update({f"{c}_ms": round(statistics.median(t), 3) for c, t in times.items()})
         if mask_ms is not None:
