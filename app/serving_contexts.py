@@ -92,11 +92,14 @@ def encode_tokens(
 
     Runs on an encode thread: the model thread only sees the prefill chunks, so
     running streams keep their pace while a context is pre-encoded. ``cancel``
-    stops it at the next prefill step, or before the encode.
+    stops it while it waits for KV memory, at the next prefill step, or before
+    the encode.
     """
     started = time.perf_counter()
     nbytes = gateway.runner.kv_bytes(len(token_ids))
-    gateway.memory.reserve(nbytes)
+    if not gateway.memory.reserve(nbytes, cancel):
+        gateway.metrics.contexts_cancelled.inc()
+        raise EncodeCancelled
     try:
         kv = gateway.runner.new_kv(len(token_ids))
         if not gateway.loop.prefill(kv, 0, token_ids, background=True, cancel=cancel) or cancel.is_set():

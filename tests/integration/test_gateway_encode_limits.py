@@ -96,7 +96,9 @@ def test_a_client_that_leaves_mid_encode_stops_it_and_stores_nothing(gateway):
     with pytest.raises(httpx.TimeoutException):
         post(url, KEY_A, 10, timeout=1.0)  # the client gives up while the prefill runs
     deadline = time.monotonic() + 30
-    while metric(url, "cachegen:contexts_encode_cancelled_total") == cancelled and time.monotonic() < deadline:
+    while (
+        metric(url, "cachegen:contexts_encode_cancelled_total") == cancelled and time.monotonic() < deadline
+    ):
         time.sleep(0.2)
     assert metric(url, "cachegen:contexts_encode_cancelled_total") == cancelled + 1
     assert httpx.get(f"{url}/health").json()["in_flight"] == 0
@@ -105,3 +107,49 @@ def test_a_client_that_leaves_mid_encode_stops_it_and_stores_nothing(gateway):
     with ThreadPoolExecutor(2) as pool:
         again = list(pool.map(lambda seed: post(url, KEY_A, seed), (11, 12)))
     assert [r.status_code for r in again] == [200, 200], [r.text for r in again]
+
+
+@pytest.fixture(scope="module")
+def small_gateway(tmp_path_factory, model_dir):
+    """KV memory for one long pre-encode, not for a second one beside it."""
+    kv_per_token = 30 * 2 * 3 * 64 * 4  # the default model's float32 KV
+    env = {
+        "CACHEGEN_STORE": f"file://{tmp_path_factory.mktemp('encode-memory') / 'store'}",
+        "CACHEGEN_KV_MEMORY_BYTES": str((LONG + TOKENS // 2) * kv_per_token),
+        "CACHEGEN_PREFIX_CACHE": "false",
+    }
+    with GatewayProcess(env, tmp_path_factory.mktemp("encode-memory-log") / "gateway.log") as proc:
+        yield proc
+
+
+LONG = 3072  # tokens: a pre-encode that holds its KV memory for seconds (prefill, then encode)
+
+
+def test_a_pre_encode_waiting_for_kv_memory_stops_when_its_client_leaves(small_gateway):
+    """The second pre-encode cannot get its memory while the first holds it; its client leaves,
+    and it stops there, while the first still runs, instead of waiting to prefill for nobody."""
+    url = small_gateway.url
+    cancelled = metric(url, "cachegen:contexts_encode_cancelled_total")
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(
+            httpx.post,
+            f"{url}/contexts",
+            json={"prompt_token_ids": context_ids(30, LONG)},
+            headers=auth(KEY_A),
+            timeout=300,
+        )
+        time.sleep(0.5)  # the first has its memory and prefills
+        with pytest.raises(httpx.TimeoutException):
+            post(url, KEY_A, 31, timeout=0.5)  # waits for memory; the client gives up
+        deadline = time.monotonic() + 3
+        while (
+            metric(url, "cachegen:contexts_encode_cancelled_total") == cancelled
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+        stopped_while_first_ran = not first.done()
+        assert metric(url, "cachegen:contexts_encode_cancelled_total") == cancelled + 1
+        assert first.result().status_code == 200, first.result().text
+    assert stopped_while_first_ran, "the cancelled pre-encode waited for the first one's memory"
+    assert len(contexts_of(url, KEY_A)) == 1  # the cancelled one stored nothing
+    assert httpx.get(f"{url}/health").json()["in_flight"] == 0
