@@ -82,15 +82,16 @@ SINK_TOKENS = 4  # a context's first positions, stored exactly by transform leve
 
 
 def round_trip_chunks(
-    kv: torch.Tensor, level: Level, chunk_tokens: int = CHUNK_TOKENS
+    kv: torch.Tensor, level: Level, chunk_tokens: int = CHUNK_TOKENS, inverse_bf16: bool | None = None
 ) -> tuple[torch.Tensor, int]:
-    """``kv`` encoded chunk by chunk and decoded again, and the encoded size in bytes."""
+    """``kv`` encoded chunk by chunk and decoded again, and the encoded size in bytes.
+    ``inverse_bf16``: the inverse transform's precision (None: the CPU's choice)."""
     parts, size = [], 0
     transforms = level_transforms((level,))
     for start in range(0, kv.shape[3], chunk_tokens):
         data = encode_chunk(kv[:, :, :, start : start + chunk_tokens], level, position=start)
         size += len(data)
-        parts.append(decode_chunk(data, transforms).to(kv.dtype))
+        parts.append(decode_chunk(data, transforms, inverse_bf16).to(kv.dtype))
     return torch.cat(parts, dim=3), size
 
 
@@ -279,7 +280,7 @@ def calibrate(
     if transform is not None:
         t, file_name = transform
         targets, scheme = TRANSFORM_TARGETS, "transform"
-        make_level = lambda name, k, v: transform_level(name, t, k, v)  # noqa: E731
+        make_level = lambda name, k, v: transform_level(name, t, k, v)
         extra = {"sink_tokens": SINK_TOKENS}
     for target in targets:
         scale, m = search_scale(

@@ -83,9 +83,11 @@ BASELINES: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, float]]] = {
 }
 
 
-def level_method(level: Level) -> Callable[[torch.Tensor], tuple[torch.Tensor, float]]:
+def level_method(
+    level: Level, inverse_bf16: bool | None = None
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, float]]:
     def run(kv: torch.Tensor) -> tuple[torch.Tensor, float]:
-        out, size = round_trip_chunks(kv, level)
+        out, size = round_trip_chunks(kv, level, inverse_bf16=inverse_bf16)
         return out, 8.0 * size / kv.numel()
 
     return run
@@ -133,7 +135,14 @@ def run(args: argparse.Namespace) -> dict:
         # several tables, measured in one run: their levels are named "<table>/<level>"
         label = path.stem.removeprefix("SmolLM2-135M-Instruct").lstrip(".+") if path else ""
         prefix = f"{label or 'default'}/" if len(tables) > 1 else ""
-        methods |= {prefix + lv.name: level_method(lv) for lv in levels if not lv.lossless}
+        for lv in levels:
+            if lv.lossless:
+                continue
+            if args.inverse == "both" and lv.scheme is Scheme.TRANSFORM:
+                methods[f"{prefix}{lv.name}/fp32-inv"] = level_method(lv, inverse_bf16=False)
+                methods[f"{prefix}{lv.name}/bf16-inv"] = level_method(lv, inverse_bf16=True)
+            else:
+                methods[prefix + lv.name] = level_method(lv)
     if not args.no_baselines:
         methods.update(BASELINES)
     runner = ModelRunner(load_model(args.model, dtype=args.dtype))
@@ -233,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passkey-trials", type=int, default=12)
     parser.add_argument(
         "--no-baselines", action="store_true", help="levels only (when comparing level tables)"
+    )
+    parser.add_argument(
+        "--inverse",
+        choices=("auto", "both"),
+        default="auto",
+        help="transform levels' inverse: the CPU's choice, or float32 and bf16 side by side",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -11,7 +11,8 @@ The default (transform, format 5) levels and the format-4 table's levels
 (``v4/...``) run on the same chunk: the second 256 tokens of a text, so a
 transform level codes every token (only a context's first tokens are kept
 exactly). A transform level's decode includes its inverse transform, whose
-share is given apart (``inverse_ms``: the matmul per layer and K/V and the
+share is given apart (``inverse_fp32_ms``, and ``inverse_bf16_ms`` where the CPU has a native
+bf16 matmul, which decoding then uses: the matmul per layer and K/V and the
 RoPE rotation, in torch on the CPU).
 
 Coder efficiency (scheme 2 levels) compares the coded streams with the ideal size of the same
@@ -38,6 +39,7 @@ from codec.container import unpack
 from codec.entropy_model import bank
 from codec.levels import V4_TABLE_FILE, shipped_level_table
 from codec.parsed import parse_chunk
+from codec.transform import bf16_inverse
 from codec.transformed import inverse_
 
 
@@ -48,6 +50,44 @@ def real_kv(tokens: int) -> torch.Tensor:
     text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
     ids = runner.tokenizer(text, add_special_tokens=False)["input_ids"][: 2 * tokens]
     return runner.compute_kv(ids)[:, :, :, tokens:].contiguous()  # the second chunk
+
+
+def inverse_precisions(data: bytes, kv: torch.Tensor, repeat: int) -> dict:
+    """A transform chunk's inverse, timed and scored in float32 and (where the CPU multiplies bf16
+    natively) in bf16: the error is relative to the chunk's KV, over its coded tokens, so the
+    level's own error and what a bf16 matmul adds to it stand side by side."""
+    body = parse_chunk(data).body
+    layers, _, heads, tokens, dim = kv.shape
+    coefficients = torch.empty(kv.shape)
+    quantized.decode_into(body.quant, coefficients.view(layers * 2 * heads, tokens, dim).numpy())
+    coded = kv[:, :, :, body.exact_tokens :]
+    entry: dict = {"inverse_bf16_default": bf16_inverse(kv.device)}
+    decoded = {}
+    for precision in ("fp32", "bf16") if native_bf16_cpu() else ("fp32",):
+        bf16 = precision == "bf16"
+        out = coefficients.clone()
+        inverse_(body, out, bf16)
+        decoded[precision] = out[:, :, :, body.exact_tokens :]
+        entry[f"inverse_{precision}_rel_error"] = float((decoded[precision] - coded).norm() / coded.norm())
+        scratch = torch.zeros(kv.shape)
+        entry[f"inverse_{precision}_ms"] = 1e3 * timed(lambda: inverse_(body, scratch, bf16), repeat)  # noqa: B023
+        # the whole decode with this inverse: parse, integer decode, inverse (as ``decode_chunk``)
+        seconds = timed(lambda: decode_with(data, scratch, bf16), repeat)  # noqa: B023
+        entry[f"decode_{precision}_inverse_mb_s"] = kv.numel() * 2e-6 / seconds
+    if "bf16" in decoded:
+        entry["bf16_vs_fp32_rel_diff"] = float((decoded["bf16"] - decoded["fp32"]).norm() / coded.norm())
+    return entry
+
+
+def decode_with(data: bytes, out: torch.Tensor, bf16: bool) -> None:
+    body = parse_chunk(data).body
+    layers, _, heads, tokens, dim = out.shape
+    quantized.decode_into(body.quant, out.view(layers * 2 * heads, tokens, dim).numpy())
+    inverse_(body, out, bf16)
+
+
+def native_bf16_cpu() -> bool:
+    return bf16_inverse(torch.device("cpu"))
 
 
 def timed(fn, repeat: int) -> float:
@@ -130,16 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         data = encode_chunk(kv, level, position=position)  # also compiles (numba cache) before timing
         decode_chunk(data)
         entry = {
-            "encode_mb_s": mb / timed(lambda: encode_chunk(kv, level, position=position), args.repeat),  # noqa: B023, E501
+            "encode_mb_s": mb / timed(lambda: encode_chunk(kv, level, position=position), args.repeat),  # noqa: B023
             "decode_mb_s": mb / timed(lambda: decode_chunk(data), args.repeat),  # noqa: B023
             "bits_per_value": 8 * len(data) / kv.numel(),
         }
         if level.scheme is Scheme.QUANT:
             entry |= efficiency(data)
         if level.scheme is Scheme.TRANSFORM:
-            body = parse_chunk(data).body
-            scratch = torch.zeros(kv.shape)
-            entry["inverse_ms"] = 1e3 * timed(lambda: inverse_(body, scratch), args.repeat)  # noqa: B023
+            entry |= inverse_precisions(data, kv, args.repeat)
         results[name] = entry
     zstd_dec = results["zstd-1 on fp16"]["decode_mb_s"]
     for entry in results.values():
@@ -163,13 +201,26 @@ def main(argv: list[str] | None = None) -> int:
         eff = (
             f"{e['coded_over_model']:11.4f} {e['model_over_empirical']:8.4f}"
             if "coded_over_model" in e
-            else (f"  inverse transform {e['inverse_ms']:.1f} ms" if "inverse_ms" in e else "")
+            else (inverse_summary(e) if "inverse_fp32_ms" in e else "")
         )
         print(
             f"{name:16s} {e['bits_per_value']:8.3f} {e['encode_mb_s']:9.1f} {e['decode_mb_s']:9.1f} "
             f"{e['decode_vs_zstd1']:9.2f} {eff}"
         )
     return 0
+
+
+def inverse_summary(e: dict) -> str:
+    text = (
+        f"  inverse fp32 {e['inverse_fp32_ms']:.1f} ms (decode {e['decode_fp32_inverse_mb_s']:.0f} MB/s, "
+        f"error {e['inverse_fp32_rel_error']:.4f})"
+    )
+    if "inverse_bf16_ms" in e:
+        text += (
+            f", bf16 {e['inverse_bf16_ms']:.1f} ms (decode {e['decode_bf16_inverse_mb_s']:.0f} MB/s, "
+            f"error {e['inverse_bf16_rel_error']:.4f}, {e['bf16_vs_fp32_rel_diff']:.4f} from fp32)"
+        )
+    return text
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ GPU, every stream of the batch in one launch. ``decode_into`` picks one from
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from functools import cache
 from typing import Protocol
 
@@ -44,19 +45,25 @@ def check_out(batch: ParsedBatch, out: torch.Tensor) -> None:
         raise ValueError(f"cannot decode into {out.dtype}")
 
 
+@dataclass(frozen=True)
 class NumbaBackend:
-    """The CPU decoder (codec/rans.py): the reference the other backends match."""
+    """The CPU decoder (codec/rans.py): the reference the other backends match.
+
+    ``inverse_bf16``: the precision of scheme 4's inverse transform (None: the CPU's own choice,
+    ``codec.transform.bf16_inverse``)."""
+
+    inverse_bf16: bool | None = None
 
     def decode_into(self, batch: ParsedBatch, out: torch.Tensor) -> None:
         check_out(batch, out)
         for k, (chunk, start) in enumerate(zip(batch.chunks, batch.starts, strict=True)):
             try:
-                decode_chunk_into(chunk, out[:, :, :, start : start + chunk.tokens])
+                decode_chunk_into(chunk, out[:, :, :, start : start + chunk.tokens], self.inverse_bf16)
             except StreamError as exc:
                 raise StreamError(str(exc), k) from None
 
 
-def decode_chunk_into(chunk: ParsedChunk, out: torch.Tensor) -> None:
+def decode_chunk_into(chunk: ParsedChunk, out: torch.Tensor, inverse_bf16: bool | None = None) -> None:
     body = chunk.body
     if isinstance(body, DenseBody):
         out.copy_(body.values)
@@ -80,7 +87,7 @@ def decode_chunk_into(chunk: ParsedChunk, out: torch.Tensor) -> None:
         else:
             quantized.decode_into(quant, rows.numpy())
         if isinstance(body, TransformBody):  # coefficients to KV, in torch on the CPU
-            transformed.inverse_(body, target)
+            transformed.inverse_(body, target, inverse_bf16)
     if not direct:
         out.copy_(target)
 

@@ -51,17 +51,20 @@ def encode_chunk(kv: torch.Tensor, level: Level, position: int = 0) -> bytes:
     return container.pack(header, payload)
 
 
-def decode_chunk(data: bytes | memoryview, transforms: Transforms | None = None) -> torch.Tensor:
+def decode_chunk(
+    data: bytes | memoryview, transforms: Transforms | None = None, inverse_bf16: bool | None = None
+) -> torch.Tensor:
     """The KV tensor of a chunk, on the CPU.
 
     Lossless schemes return the exact dtype and bits they were given (a casting
     level's dtype: float16 for ``fp16``); the lossy schemes return float32 (the
     caller casts to the model's dtype). To decode straight into a model's cache,
-    on its device, use ``parse_chunks`` and ``decode_into``.
+    on its device, use ``parse_chunks`` and ``decode_into``. ``inverse_bf16``: as
+    ``NumbaBackend``'s.
     """
     chunk = parse_chunk(data, transforms=transforms)
     if isinstance(chunk.body, DenseBody):
         return chunk.body.values.clone()  # a raw chunk's values are a read-only view of ``data``
     out = torch.empty(chunk.shape, dtype=torch.float32)
-    decode_chunk_into(chunk, out)
+    decode_chunk_into(chunk, out, inverse_bf16)
     return out

@@ -54,7 +54,7 @@ class KVTransform:
     inv_freq: np.ndarray | None = None  # (head_dim // 2,) float32: keys coded before RoPE
     rope_scale: float = 1.0  # the rotary embedding's attention scaling (1 for plain RoPE)
     model: str = ""  # the fingerprint of the model it was calibrated on (engine.identity)
-    _device: dict = field(default_factory=dict, repr=False)  # per device: (decode matrix, mean)
+    _device: dict = field(default_factory=dict, repr=False)  # per (device, bf16): (decode matrix, mean)
 
     def __post_init__(self) -> None:
         check(self)
@@ -111,32 +111,61 @@ class KVTransform:
 
     # -- decoding (torch, on the output's device) ---------------------------------------------
 
-    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._device:
+    def _on(self, device: torch.device, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(decode matrix, mean) per group on ``device``; the matrix in bf16 for a bf16 inverse."""
+        if (device, bf16) not in self._device:
             layers, c = self.layers, self.kv_heads * self.head_dim
             basis = torch.from_numpy(self.basis).reshape(layers * 2, c, c)
             weight = torch.from_numpy(self.weight).reshape(layers * 2, 1, c)
             decode = (basis.transpose(1, 2) / weight).contiguous()  # x = y @ decode + mean
             mean = torch.from_numpy(self.mean).reshape(layers * 2, 1, c).contiguous()
-            self._device[device] = (decode.to(device), mean.to(device))
-        return self._device[device]
+            decode = decode.to(device, torch.bfloat16 if bf16 else torch.float32)
+            self._device[(device, bf16)] = (decode, mean.to(device))
+        return self._device[(device, bf16)]
 
-    def inverse_(self, values: torch.Tensor, position: int) -> None:
+    def inverse_(self, values: torch.Tensor, position: int, bf16: bool | None = None) -> None:
         """Turn the coefficients in ``values`` (layers, 2, heads, tokens, head_dim), float32, any
-        strides, whose first token is at ``position``, into KV, in place, on their device."""
+        strides, whose first token is at ``position``, into KV, in place, on their device.
+
+        ``bf16``: multiply in bf16 (float32 accumulation, the product rounded to bf16, the mean
+        and RoPE in float32); None: where the device has a native bf16 matmul (``bf16_inverse``)."""
         layers, _, heads, tokens, dim = values.shape
         if tokens == 0:
             return
-        decode, mean = self._on(values.device)
-        y = values.permute(0, 1, 3, 2, 4).reshape(layers * 2, tokens, heads * dim)
-        # one matmul per group (einsum picks a faster bmm layout than baddbmm here: 12 against 15 ms)
-        x = torch.einsum("gtc,gcd->gtd", y, decode).add_(mean).view(layers, 2, tokens, heads, dim)
+        if bf16 is None:
+            bf16 = bf16_inverse(values.device)
+        decode, mean = self._on(values.device, bf16)
+        c = heads * dim
+        coefficients = values.permute(0, 1, 3, 2, 4)
+        if bf16:  # one pass rounds and transposes; the sum with the mean comes back as float32
+            y = torch.empty((layers * 2, tokens, c), dtype=torch.bfloat16, device=values.device)
+            y.view(layers, 2, tokens, heads, dim).copy_(coefficients)
+            x = torch.add(mean, torch.bmm(y, decode))
+        else:  # one matmul per group (einsum picks a faster bmm layout than baddbmm here: 12 against 15 ms)
+            y = coefficients.reshape(layers * 2, tokens, c)
+            x = torch.einsum("gtc,gcd->gtd", y, decode).add_(mean)
+        x = x.view(layers, 2, tokens, heads, dim)
         if self.inv_freq is not None:
             rope_(x[:, 0], self.inv_freq, self.rope_scale, position)
         values.copy_(x.permute(0, 1, 3, 2, 4))
 
 
-def rope_(keys: torch.Tensor, inv_freq: np.ndarray, scale: float, position: int, inverse: bool = False) -> None:
+def bf16_inverse(device: torch.device) -> bool:
+    """Whether the inverse transform multiplies in bf16 on ``device``: on a CPU with a native bf16
+    matmul (AMX or AVX512-BF16), where it is 2.4x faster than float32 (docs/codec.md, "Speed").
+    Elsewhere float32: a GPU's matmul is fast either way, and a CPU without native bf16 emulates
+    it (40x slower)."""
+    if device.type != "cpu":
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def rope_(
+    keys: torch.Tensor, inv_freq: np.ndarray, scale: float, position: int, inverse: bool = False
+) -> None:
     """Rotary embedding, in place, of ``keys`` (..., tokens, heads, head_dim) whose first token is
     at ``position``, with angles computed as transformers' Llama rotary embedding computes them
     (float32, ``cat(freqs, freqs)``: channels c and c + D/2 turn by one angle); ``inverse``: the
@@ -250,7 +279,7 @@ def fit_transform(
     so that key coefficients are in units of logit error. Values are weighted by their head's
     RMS. The basis is the eigenvectors of the weighted vectors' covariance, largest first.
     """
-    layers, _, heads, tokens, dim = kv.shape
+    layers, _, heads, _tokens, dim = kv.shape
     c = heads * dim
     x = kv.detach().to(device="cpu", dtype=torch.float32, copy=True)
     if inv_freq is not None:  # keys before RoPE (token-major for the rotation, then back)

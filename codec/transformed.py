@@ -110,8 +110,8 @@ def parse(
     return TransformBody(transform, position, quantized.parse(view[_PREFIX.size :], shape, version))
 
 
-def inverse_(body: TransformBody, values: torch.Tensor) -> None:
+def inverse_(body: TransformBody, values: torch.Tensor, bf16: bool | None = None) -> None:
     """Turn a decoded chunk's coefficients in ``values`` (its float32 output, any strides, on any
-    device) into KV in place; its exact tokens are already KV."""
+    device) into KV in place; its exact tokens are already KV. ``bf16``: as ``KVTransform.inverse_``."""
     e = body.exact_tokens
-    body.transform.inverse_(values[:, :, :, e:], body.position + e)
+    body.transform.inverse_(values[:, :, :, e:], body.position + e, bf16)

@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from codec import FORMAT_VERSION, decode_chunk, encode_chunk
+from codec import FORMAT_VERSION, decode_chunk, encode_chunk, quantized
 from codec.container import read_header
 from codec.entropy_model import BANK_DIGEST, bank
+from codec.parsed import parse_chunk
+from codec.transform import bf16_inverse
+from codec.transformed import inverse_
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
 _spec = importlib.util.spec_from_file_location("golden_generate", GOLDEN / "generate.py")
@@ -33,10 +36,39 @@ def test_golden_chunk_decodes_to_its_tensor(name: str) -> None:
     expected = np.frombuffer((GOLDEN / f"{name}.out").read_bytes(), dtype=_NUMPY[out.dtype])
     got = out.contiguous().view(torch.int16) if out.dtype == torch.bfloat16 else out.contiguous()
     got = got.numpy().reshape(-1).view(expected.dtype)
-    if read_header(data).scheme == 4:  # the inverse transform is a float32 matmul (generate.py)
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    if read_header(data).scheme == 4:  # the inverse transform is a matmul, in the device's precision
+        _assert_inverse_close(got, expected, bf16_inverse(out.device))
     else:
         assert np.array_equal(got, expected)
+
+
+TRANSFORM_NAMES = [name for name in NAMES if name.startswith("transform")]
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("name", TRANSFORM_NAMES)
+def test_transform_goldens_decode_with_either_inverse(name: str, bf16: bool) -> None:
+    """Whatever this CPU's own choice, both inverses give the golden tensor: float32 to its
+    last bits (generate.py), bf16 (as on a CPU with native bf16) to bf16's rounding."""
+    data = (GOLDEN / f"{name}.bin").read_bytes()
+    chunk = parse_chunk(data, transforms=generate.transforms())
+    layers, _, heads, tokens, dim = chunk.shape
+    out = torch.empty(chunk.shape)
+    quantized.decode_into(chunk.body.quant, out.view(layers * 2 * heads, tokens, dim).numpy())
+    inverse_(chunk.body, out, bf16)
+    expected = np.frombuffer((GOLDEN / f"{name}.out").read_bytes(), dtype="<f4")
+    _assert_inverse_close(out.numpy().reshape(-1), expected, bf16)
+
+
+def _assert_inverse_close(got: np.ndarray, expected: np.ndarray, bf16: bool) -> None:
+    if not bf16:
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+        return
+    # bf16 keeps 8 significant bits of the coefficients, the basis and the product (float32 sums)
+    err = np.abs(got - expected)
+    assert err.max() <= 2**-6 * np.abs(expected).max()
+    assert np.linalg.norm(err) <= 2**-7 * np.linalg.norm(expected)
+    assert err.max() > 0  # it did round: this is not the float32 path
 
 
 def test_transform_goldens_hold_both_sink_cases() -> None:

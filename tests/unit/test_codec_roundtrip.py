@@ -10,7 +10,9 @@ import torch
 
 import codec
 from codec import DEFAULT_LEVELS, LOSSLESS, Level, Scheme, decode_chunk, encode_chunk, load_level_table
+from codec.backends import NumbaBackend, decode_into
 from codec.levels import V4_TABLE_FILE, shipped_level_table
+from codec.parsed import parse_chunks
 from codec.quantized import STEP_TABLE, QuantParams
 from codec.transformed import TransformParams, group_steps
 
@@ -126,8 +128,17 @@ def test_step_table_is_powers_of_two_eighths() -> None:
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
 
 
+def _decode(data: bytes, inverse_bf16: bool) -> torch.Tensor:
+    batch = parse_chunks([data])
+    out = torch.empty(batch.shape)
+    decode_into(batch, out, NumbaBackend(inverse_bf16=inverse_bf16))
+    return out
+
+
 @pytest.mark.parametrize("name", ["high", "medium", "low"])
-@pytest.mark.parametrize(("tokens", "position"), [(2, 0), (37, 0), (256, 256), (100, 3000), ("model", 0), ("model", 700)])
+@pytest.mark.parametrize(
+    ("tokens", "position"), [(2, 0), (37, 0), (256, 256), (100, 3000), ("model", 0), ("model", 700)]
+)
 def test_default_transform_levels_error_is_within_half_a_step_of_each_coefficient(
     name: str, tokens: int | str, position: int
 ) -> None:
@@ -143,8 +154,12 @@ def test_default_transform_levels_error_is_within_half_a_step_of_each_coefficien
     else:
         kv = _kv(tokens, layers=layers, heads=heads, dim=dim)
     tokens = kv.shape[3]
-    out = decode_chunk(encode_chunk(kv, level, position=position))
+    data = encode_chunk(kv, level, position=position)
+    out = _decode(data, inverse_bf16=False)  # the quantizer's bound, through a float32 inverse
     assert out.dtype == torch.float32 and out.shape == kv.shape
+    # a bf16 inverse (a CPU with native bf16 takes it) adds no more than bf16's rounding of KV
+    fast = _decode(data, inverse_bf16=True)
+    assert (fast - out).norm() <= 2**-7 * out.norm()
     sinks = min(max(p.sink_tokens - position, 0), tokens)
     assert torch.allclose(out[:, :, :, :sinks], kv[:, :, :, :sinks].half().float())
     coded = slice(sinks, tokens)
