@@ -97,3 +97,65 @@ def test_coded_size_is_within_3_percent_of_the_model_entropy() -> None:
     )
     coded = 16 * lengths.sum()
     assert coded <= 1.03 * ideal
+
+
+def _nine_streams():
+    """Nine streams: two groups that the decoder takes four at a time, and one alone; escapes in
+    both groups and in the last stream."""
+    b, family, sym, esc, tokens, cps = _streams(7, n_streams=9, tokens=33, cps=5)
+    for s, t, c, value in ((5, 7, 2, -1234), (2, 3, 4, 999), (7, 30, 0, -200)):  # every lane of a group
+        sym[s, t, c], esc[s, t, c] = rans.ESCAPE, value
+    fast, lengths = _encode(rans.encode_streams, b, family, _by_channel(sym), _by_channel(esc), tokens, cps)
+    return b, family, fast, lengths, tokens, cps
+
+
+def _alone(b, family, out, lengths, tokens, cps, s, centers):
+    """Stream ``s`` decoded on its own: the one-stream path."""
+    return _decode(
+        rans.decode_streams,
+        b,
+        family[s * cps : (s + 1) * cps],
+        out[s : s + 1],
+        lengths[s : s + 1],
+        tokens,
+        cps,
+        1,
+        centers[s * cps : (s + 1) * cps],
+    )
+
+
+def test_streams_decoded_four_at_a_time_match_each_decoded_alone() -> None:
+    b, family, out, lengths, tokens, cps = _nine_streams()
+    centers = np.arange(9 * cps, dtype=np.int32) - 20
+    together, status = _decode(rans.decode_streams, b, family, out, lengths, tokens, cps, 9, centers)
+    assert not status.any()
+    for s in range(9):
+        alone, alone_status = _alone(b, family, out, lengths, tokens, cps, s, centers)
+        assert not alone_status.any()
+        assert np.array_equal(together[s], alone[0]), s
+    assert together[5, 7, 2] == -1234 + centers[5 * cps + 2]  # the escape inside a group of four
+    # the lockstep path itself decodes both groups (it is not the one-by-one fallback that did)
+    words = np.concatenate([out[s, : lengths[s]] for s in range(9)])
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    for first in (0, 4):
+        lockstep = np.zeros_like(together)
+        steps = np.ones(9 * cps, dtype=np.float32)
+        args = (family.astype(np.int32), centers, steps, b.cum, b.freq, b.slot_symbol, tokens, cps, 1)
+        assert rans._decode_four(words, offsets, first, *args, lockstep)
+        assert np.array_equal(lockstep[first : first + 4], together[first : first + 4])
+
+
+@pytest.mark.parametrize("broken", [0, 6, 8])
+def test_a_corrupt_stream_in_a_group_of_four_is_reported_alone(broken: int) -> None:
+    """A stream cut short inside a group is marked, as it would be alone; its neighbours decode."""
+    b, family, out, lengths, tokens, cps = _nine_streams()
+    centers = np.zeros(9 * cps, dtype=np.int32)
+    clean, _ = _decode(rans.decode_streams, b, family, out, lengths, tokens, cps, 9, centers)
+    short = lengths.copy()
+    short[broken] -= 1
+    got, status = _decode(rans.decode_streams, b, family, out, short, tokens, cps, 9, centers)
+    _, alone_status = _alone(b, family, out, short, tokens, cps, broken, centers)
+    assert status[broken] == alone_status[0] != rans.OK
+    assert np.flatnonzero(status).tolist() == [broken]
+    for s in set(range(9)) - {broken}:
+        assert np.array_equal(got[s], clean[s]), s
