@@ -62,8 +62,8 @@ def builtin_table(device_type: str) -> dict[str, Any]:
     """The built-in table for a model on ``device_type``: the transform levels (format 5) on a
     GPU, where their inverse transform (a 1.1-GFLOP matmul a 256-token chunk) is nearly free; the
     format-4 levels on a CPU, where it costs more decode time than its smaller chunks save on a
-    link faster than about 40 Mbit/s (docs/codec.md, "Transform levels": 3.1 s against 1.9 s of
-    TTFT for a stored 4K context at 200 Mbit/s on 2 cores)."""
+    fast link (docs/codec.md, "TTFT over a link": `medium` 1.02 s against 0.79 s of TTFT for a
+    stored 4K context at 200 Mbit/s on 2 cores with AMX, 3.1 s against 1.9 s on 2 older ones)."""
     return default_level_table() if device_type == "cuda" else shipped_level_table(V4_TABLE_FILE)
 
 
