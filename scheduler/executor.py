@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +56,8 @@ class LoopTarget:
         assert tokens <= self.kv.shape[3], "the request's buffer is sized for the whole request"
         return self.kv
 
-    def prefill_into(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> None:
-        self.loop.prefill(kv, start, token_ids, cancel=self.cancel)
+    def start_prefill(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> Future[bool]:
+        return self.loop.prefill_async(kv, start, token_ids, cancel=self.cancel)
 
 
 @dataclass

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +61,18 @@ BUDGET_SHARE = 0.8
 # GPU decodes many chunks' streams in one launch (16 x 360 streams of the default model).
 MAX_BATCH = 16
 FETCH_WINDOW = 2  # store chunks in flight once the link has been measured
+
+
+@dataclass
+class _TextRun:
+    """Consecutive text chunks ``[first, end)``, prefilling on the model while the load goes on."""
+
+    first: int
+    end: int
+    future: Future[bool]  # True: prefilled; False: cancelled first
+    submitted: float
+    predicted_s: float
+    finished: float = 0.0
 
 
 @dataclass
@@ -191,6 +203,7 @@ class _LoadRun:
         # chunk (6 of 17 at 50 Mbps, 4 s where medium alone took 2.3 s). Text comes back only
         # when the link has since halved.
         self.text_rate: float | None = None
+        self.text_runs: list[_TextRun] = []  # in chunk order
         self.result = PrefixLoad(kv=None, faults=list(stored.faults))
 
     def execute(self, cancel: threading.Event, capacity: int | None) -> PrefixLoad:
@@ -211,6 +224,8 @@ class _LoadRun:
         finally:
             for future in self.pending.values():
                 future.cancel()
+            loaded = self._finish_text(loaded)
+        self.result.chunks.sort(key=lambda c: c.index)
         self.result.kv = kv if loaded else None
         self.result.tokens = loaded
         self.result.bandwidth_bps = self.loader.bandwidth.bytes_per_second
@@ -231,7 +246,13 @@ class _LoadRun:
         rate, measured = self._rate()
         names = [lv.name for lv in self.request.levels]
         link_busy = 0.0
-        compute_busy = 0.0
+        now = time.perf_counter()
+        # text runs still prefilling hold the model: what the profile gives them is left
+        compute_busy = sum(
+            max(run.predicted_s - (now - run.submitted), 0.0)
+            for run in self.text_runs
+            if not run.future.done()
+        )
         for j in range(current, self.committed):
             chunk, source = self.chunks[j], self.sources[j]
             assert source is not None
@@ -340,14 +361,13 @@ class _LoadRun:
         source = self.sources[i]
         assert source is not None
         if source == TEXT:
-            # later chunks travel while this one is recomputed
+            # later chunks travel, and are decoded, while this one is recomputed
             self._advance(i + 1, self.loader.profile.prefill_seconds(chunk.tokens, chunk.start))
-            t = time.perf_counter()
-            self.target.prefill_into(kv, chunk.start, list(self.token_ids[chunk.start : chunk.end]))
-            seconds = time.perf_counter() - t
-            self.loader.profile.observe_prefill(chunk.tokens, chunk.start, seconds)
-            self.result.chunks.append(ChunkReport(i, chunk.tokens, "text", None, prefill_ms=_ms(seconds)))
-            return 1, True
+            end = i + 1
+            while end < self.committed and self.sources[end] == TEXT:
+                end += 1
+            self._start_text(i, end, kv)
+            return end - i, True
         waited = time.perf_counter()
         try:
             fetched = [self.pending.pop(i).result()]
@@ -357,7 +377,9 @@ class _LoadRun:
             self.result.bad_chunks.append(chunk.key)
             return 0, False
         except ObjectTooLarge as exc:
-            log.warning("KV chunk %d is larger than any chunk of its shape, recomputing from there: %s", i, exc)
+            log.warning(
+                "KV chunk %d is larger than any chunk of its shape, recomputing from there: %s", i, exc
+            )
             self.result.faults.append("oversized_chunk")
             self.result.bad_chunks.append(chunk.key)
             return 0, False
@@ -385,6 +407,37 @@ class _LoadRun:
             self.result.bad_chunks.append(self.chunks[i + decoded].key)
         self._report(i, fetched[:decoded], seconds, idle, gate=t - queued)
         return decoded, fault is None
+
+    def _start_text(self, first: int, end: int, kv: torch.Tensor) -> None:
+        """Prefill text chunks ``[first, end)`` on the model, without waiting for it. A run reads
+        the KV of every chunk before it, so an earlier run still prefilling is waited for first
+        (the store chunks between them are decoded by then: they are consumed in order)."""
+        for run in self.text_runs:
+            if not run.future.done():
+                wait([run.future])
+        start, stop = self.chunks[first].start, self.chunks[end - 1].end
+        predicted = self.loader.profile.prefill_seconds(stop - start, start)
+        future = self.target.start_prefill(kv, start, list(self.token_ids[start:stop]))
+        run = _TextRun(first, end, future, time.perf_counter(), predicted)
+        future.add_done_callback(lambda _: setattr(run, "finished", time.perf_counter()))
+        self.text_runs.append(run)
+
+    def _finish_text(self, loaded: int) -> int:
+        """Wait for the text runs; returns how many tokens of the prefix hold KV: up to the first
+        run that did not finish (a cancelled request), else ``loaded``. A failed prefill raises."""
+        for run in self.text_runs:
+            if not run.future.result():
+                return min(loaded, self.chunks[run.first].start)
+            chunks = self.chunks[run.first : run.end]
+            tokens = sum(c.tokens for c in chunks)
+            seconds = run.finished - run.submitted
+            self.loader.profile.observe_prefill(tokens, chunks[0].start, seconds)
+            for k, chunk in enumerate(chunks):
+                share = _ms(seconds * chunk.tokens / tokens)
+                self.result.chunks.append(
+                    ChunkReport(run.first + k, chunk.tokens, "text", None, prefill_ms=share)
+                )
+        return loaded
 
     def _arrived(self, j: int) -> list[_Fetched]:
         """The fetched bytes of store chunks ``j, j+1, ...`` as long as they are here, intact."""

@@ -3,6 +3,7 @@ writes into, and the per-chunk report (``scheduler.loader.PrefixLoader`` does th
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -17,7 +18,11 @@ class KVTarget(Protocol):
 
     def new_kv(self, tokens: int) -> torch.Tensor: ...
 
-    def prefill_into(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> None: ...
+    def start_prefill(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> Future[bool]:
+        """Prefill ``token_ids`` into ``kv`` after its first ``start`` tokens, without waiting:
+        the future is True when it is done, False when the request was cancelled first, or
+        raises the prefill's error."""
+        ...
 
 
 @dataclass(frozen=True)

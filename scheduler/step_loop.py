@@ -77,6 +77,17 @@ class PrefillTask:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     start_offset: int = 0  # tokens of ``token_ids`` already prefilled
+    # set when the task ends: whether every token was prefilled (False: cancelled), or its error
+    future: Future[bool] = field(default_factory=Future)
+
+    def finish(self) -> None:
+        self.done.set()
+        if self.future.done():
+            return
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(self.remaining == 0)
 
     @property
     def remaining(self) -> int:
@@ -145,18 +156,29 @@ class StepLoop:
 
         Returns False when ``cancel`` stopped it first (``kv`` is then partly written).
         """
+        return self.prefill_async(kv, start, token_ids, background=background, cancel=cancel).result()
+
+    def prefill_async(
+        self,
+        kv: torch.Tensor,
+        start: int,
+        token_ids: list[int],
+        *,
+        background: bool = False,
+        cancel: threading.Event | None = None,
+    ) -> Future[bool]:
+        """``prefill`` without waiting: the future gives what ``prefill`` returns, or its error."""
         if not token_ids:
-            return True
+            done: Future[bool] = Future()
+            done.set_result(True)
+            return done
         task = PrefillTask(kv, start, list(token_ids), background, cancel)
         with self._cond:
             if self._stopping:
                 raise LoopStopped("the server is shutting down")
             self._tasks.append(task)
             self._cond.notify()
-        task.done.wait()
-        if task.error is not None:
-            raise task.error
-        return task.remaining == 0
+        return task.future
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the model thread, between steps, and return its result.
@@ -361,7 +383,7 @@ class StepLoop:
         with self._cond:
             if task in self._tasks:
                 self._tasks.remove(task)
-        task.done.set()
+        task.finish()
 
     def _forget_done(self) -> None:
         self._running = [g for g in self._running if not g.done]
@@ -379,7 +401,7 @@ class StepLoop:
             gen.fail(exc)
         for task in tasks:
             task.error = exc
-            task.done.set()
+            task.finish()
         self._running, self._waiting = [], deque()
 
 

@@ -53,7 +53,7 @@ class Buffer:
     def new_kv(self, tokens: int) -> torch.Tensor:
         return torch.full(GEOMETRY.chunk_shape(tokens), float("nan"))
 
-    def prefill_into(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> None:
+    def start_prefill(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> Future:
         raise AssertionError("no text chunk here")
 
 

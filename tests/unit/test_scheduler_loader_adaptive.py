@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import pytest
 import torch
 
 import scheduler.loader as loader_module
@@ -20,7 +21,7 @@ from codec.quantized import QuantParams
 from scheduler.contexts import ContextStore
 from scheduler.geometry import KVGeometry
 from scheduler.loader import PRIOR_BYTES_PER_SECOND, PrefixLoader
-from scheduler.planner import TEXT, plan
+from scheduler.planner import TEXT, Plan, plan
 from scheduler.prefix import make_fingerprint
 from scheduler.prefix_load import KVRequest
 from scheduler.profile import CostProfile
@@ -65,8 +66,16 @@ class SimulatedRunner:
     def new_kv(self, tokens: int) -> torch.Tensor:
         return torch.zeros(GEOMETRY.chunk_shape(tokens))
 
-    def prefill_into(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> None:
-        time.sleep(RECOMPUTE_S * len(token_ids) / CHUNK)
+    def start_prefill(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> Future[bool]:
+        """The recompute time passes on a thread of its own, as a model's prefill does."""
+        done: Future[bool] = Future()
+
+        def prefill() -> None:
+            time.sleep(RECOMPUTE_S * len(token_ids) / CHUNK)
+            done.set_result(True)
+
+        threading.Thread(target=prefill, daemon=True).start()
+        return done
 
 
 def setup(rate_bps: float, chunks: int = 12):
@@ -162,3 +171,91 @@ def test_a_store_that_knows_its_rate_has_its_first_chunks_planned_with_it(monkey
     run(contexts, loader, tokens)
     assert rates[0] == 2e9
     assert LocalStore.prior_bytes_per_second and LocalStore.prior_bytes_per_second > PRIOR_BYTES_PER_SECOND
+
+
+class GatedRunner(SimulatedRunner):
+    """Its prefill ends only once the loader has decoded a store chunk since it started (or after
+    5 s), with what ``outcome`` says: so a loader that waited for it would be seen waiting."""
+
+    def __init__(self, outcome=True) -> None:
+        self.outcome = outcome  # True, False (cancelled) or an exception
+        self.decoded = threading.Event()
+        self.calls: list[tuple[int, int]] = []
+        self.waited: list[bool] = []
+
+    def start_prefill(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> Future[bool]:
+        done: Future[bool] = Future()
+        self.calls.append((start, len(token_ids)))
+        self.decoded.clear()
+
+        def prefill() -> None:
+            self.waited.append(self.decoded.wait(5.0))
+            if isinstance(self.outcome, BaseException):
+                done.set_exception(self.outcome)
+            else:
+                done.set_result(self.outcome)
+
+        threading.Thread(target=prefill, daemon=True).start()
+        return done
+
+
+def text_first(monkeypatch, runner: GatedRunner, text_chunks: int = 2) -> None:
+    """Plans put ``text_chunks`` text chunks first and the store's medium after them; every decode
+    tells ``runner``."""
+    first = []
+
+    def planned(inputs):
+        n = len(inputs.chunks)
+        sources = [TEXT] * text_chunks + ["medium"] * (n - text_chunks) if not first else ["medium"] * n
+        first.append(True)
+        return Plan(sources, 0.0, 0.0)
+
+    decode_into = loader_module.decode_into
+
+    def decoding(batch, out):
+        decode_into(batch, out)
+        runner.decoded.set()
+
+    monkeypatch.setattr(loader_module, "plan", planned)
+    monkeypatch.setattr(loader_module, "decode_into", decoding)
+
+
+def load_with(runner, contexts, loader, tokens):
+    stored = find_stored_prefix(
+        contexts.store, contexts.fingerprint, CHUNK, contexts.keys(tokens), tokens, LEVELS
+    )
+    request = KVRequest(list(LEVELS), RANKS, budget_s=10.0)
+    return loader.load(runner, stored, tokens, request, len(tokens) + 1, time.perf_counter())
+
+
+def test_store_chunks_decode_while_the_text_chunks_before_them_prefill(monkeypatch):
+    """A run of text chunks is one prefill on the model, and the loader goes on decoding the store
+    chunks after it instead of waiting for it (issue 16: no thread blocks on text prefill)."""
+    _, contexts, loader, tokens = setup(rate_bps=1e9)
+    runner = GatedRunner()
+    text_first(monkeypatch, runner)
+    result = load_with(runner, contexts, loader, tokens)
+    assert runner.calls == [(0, 2 * CHUNK)]  # the two text chunks, one prefill
+    assert runner.waited == [True]  # a store chunk was decoded while it ran
+    assert sources(result) == [TEXT, TEXT] + ["medium"] * 10
+    assert [c.index for c in result.chunks] == list(range(12))
+    assert result.tokens == 12 * CHUNK and result.kv is not None
+
+
+def test_a_cancelled_text_prefill_ends_the_prefix_before_it(monkeypatch):
+    """Store chunks decoded after a text run that did not finish are no prefix: without its KV
+    they do not continue anything."""
+    _, contexts, loader, tokens = setup(rate_bps=1e9)
+    runner = GatedRunner(outcome=False)
+    text_first(monkeypatch, runner)
+    result = load_with(runner, contexts, loader, tokens)
+    assert runner.waited == [True]
+    assert result.tokens == 0 and result.kv is None
+
+
+def test_a_failed_text_prefill_fails_the_load(monkeypatch):
+    _, contexts, loader, tokens = setup(rate_bps=1e9)
+    runner = GatedRunner(outcome=RuntimeError("the model step failed"))
+    text_first(monkeypatch, runner)
+    with pytest.raises(RuntimeError, match="model step failed"):
+        load_with(runner, contexts, loader, tokens)
