@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 
 import numpy as np
 
@@ -84,6 +84,12 @@ class Bank:
 
     def digest(self) -> str:
         return hashlib.sha256(self.freq.astype("<u4").tobytes()).hexdigest()
+
+    @cached_property
+    def freq_cum(self) -> np.ndarray:
+        """(FAMILIES, ALPHABET) int32, ``freq << 16 | cum``: the decoder's one lookup per symbol
+        (a frequency is at most 2^14, a start below it)."""
+        return ((self.freq.astype(np.int64) << 16) | self.cum).astype(np.int32)
 
 
 @cache

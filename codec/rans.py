@@ -124,13 +124,21 @@ def _escape(x, pos, end, words):
 
 
 @numba.njit(cache=True, inline="always")
+def _next_state(x, slot, packed):
+    """The state after decoding the symbol at ``slot``: ``packed`` is its table entry,
+    ``freq << 16 | cum`` (``Bank.freq_cum``: one lookup where two were)."""
+    packed = np.int64(packed)
+    return (packed >> 16) * (x >> PROB_BITS) + slot - (packed & 0xFFFF)
+
+
+@numba.njit(cache=True, inline="always")
 def _start(words, pos):
     """The initial state of a stream whose words start at ``pos``."""
     return np.int64(words[pos]) | (np.int64(words[pos + 1]) << 16)
 
 
 @numba.njit(cache=True, nogil=True)
-def _decode_stream(words, pos, end, fams, centers, steps, cum, freq, slot_symbol, tokens, out, row, c0):
+def _decode_stream(words, pos, end, fams, centers, steps, freq_cum, slot_symbol, tokens, out, row, c0):
     cps = fams.shape[0]
     mask = PROB_SCALE - 1
     x = _start(words, pos)
@@ -141,7 +149,7 @@ def _decode_stream(words, pos, end, fams, centers, steps, cum, freq, slot_symbol
             f = fams[c]
             slot = x & mask
             sym = np.int64(slot_symbol[f, slot])
-            x = np.int64(freq[f, sym]) * (x >> PROB_BITS) + slot - np.int64(cum[f, sym])
+            x = _next_state(x, slot, freq_cum[f, sym])
             x, pos = _get(x, words, pos, end)
             r = sym - BIAS
             if sym == ESCAPE and pos >= 0:
@@ -157,7 +165,7 @@ def _decode_stream(words, pos, end, fams, centers, steps, cum, freq, slot_symbol
 
 
 @numba.njit(cache=True, nogil=True)
-def _decode_four(words, offsets, s, family, center, step, cum, freq, slot_symbol, tokens, cps, groups, out):
+def _decode_four(words, offsets, s, family, center, step, freq_cum, slot_symbol, tokens, cps, groups, out):
     """Streams ``s .. s+3`` in lockstep: four independent state chains keep the core busy where one
     waits on its table lookups (1.6-1.9x a chunk on one thread; docs/codec.md, "Speed"). False if
     any of them is corrupt: the caller then decodes them one by one, for their exact status."""
@@ -203,10 +211,10 @@ def _decode_four(words, offsets, s, family, center, step, cum, freq, slot_symbol
             s0, s1, s2, s3 = x0 & mask, x1 & mask, x2 & mask, x3 & mask
             y0, y1 = np.int64(slot_symbol[f0, s0]), np.int64(slot_symbol[f1, s1])
             y2, y3 = np.int64(slot_symbol[f2, s2]), np.int64(slot_symbol[f3, s3])
-            x0 = np.int64(freq[f0, y0]) * (x0 >> PROB_BITS) + s0 - np.int64(cum[f0, y0])
-            x1 = np.int64(freq[f1, y1]) * (x1 >> PROB_BITS) + s1 - np.int64(cum[f1, y1])
-            x2 = np.int64(freq[f2, y2]) * (x2 >> PROB_BITS) + s2 - np.int64(cum[f2, y2])
-            x3 = np.int64(freq[f3, y3]) * (x3 >> PROB_BITS) + s3 - np.int64(cum[f3, y3])
+            x0 = _next_state(x0, s0, freq_cum[f0, y0])
+            x1 = _next_state(x1, s1, freq_cum[f1, y1])
+            x2 = _next_state(x2, s2, freq_cum[f2, y2])
+            x3 = _next_state(x3, s3, freq_cum[f3, y3])
             if x0 < STATE_LOW:
                 if p0 >= e0:
                     return False
@@ -253,8 +261,7 @@ def decode_streams(
     channel_family,
     channel_center,
     channel_step,
-    cum,
-    freq,
+    freq_cum,
     slot_symbol,
     tokens,
     channels_per_stream,
@@ -282,8 +289,7 @@ def decode_streams(
             channel_family,
             channel_center,
             channel_step,
-            cum,
-            freq,
+            freq_cum,
             slot_symbol,
             tokens,
             cps,
@@ -304,8 +310,7 @@ def decode_streams(
                 channel_family[base : base + cps],
                 channel_center[base : base + cps],
                 channel_step[base : base + cps],
-                cum,
-                freq,
+                freq_cum,
                 slot_symbol,
                 tokens,
                 coded,

@@ -49,8 +49,7 @@ def _decode(fn, b, family, out, lengths, tokens, cps, n_streams, centers):
         family.astype(np.int32),
         centers,
         steps,
-        b.cum,
-        b.freq,
+        b.freq_cum,
         b.slot_symbol,
         tokens,
         cps,
@@ -140,7 +139,7 @@ def test_streams_decoded_four_at_a_time_match_each_decoded_alone() -> None:
     for first in (0, 4):
         lockstep = np.zeros_like(together)
         steps = np.ones(9 * cps, dtype=np.float32)
-        args = (family.astype(np.int32), centers, steps, b.cum, b.freq, b.slot_symbol, tokens, cps, 1)
+        args = (family.astype(np.int32), centers, steps, b.freq_cum, b.slot_symbol, tokens, cps, 1)
         assert rans._decode_four(words, offsets, first, *args, lockstep)
         assert np.array_equal(lockstep[first : first + 4], together[first : first + 4])
 
@@ -159,3 +158,9 @@ def test_a_corrupt_stream_in_a_group_of_four_is_reported_alone(broken: int) -> N
     assert np.flatnonzero(status).tolist() == [broken]
     for s in set(range(9)) - {broken}:
         assert np.array_equal(got[s], clean[s]), s
+
+
+def test_the_packed_table_holds_every_frequency_and_start() -> None:
+    b = bank()
+    assert b.freq_cum.dtype == np.int32 and (b.freq_cum >= 0).all()
+    assert np.array_equal(b.freq_cum >> 16, b.freq) and np.array_equal(b.freq_cum & 0xFFFF, b.cum)
