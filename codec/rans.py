@@ -206,7 +206,9 @@ def _decode_four(words, offsets, s, family, center, step, freq_cum, slot_symbol,
     mask = PROB_SCALE - 1
     for t in range(tokens):
         for c in range(cps):
-            # stage by stage across the four streams, so that their table lookups overlap
+            # stage by stage across the four streams, so that their table lookups overlap; the
+            # lanes are written out: through helpers that mark an over-read instead of returning,
+            # the same kernel ran 20% slower
             f0, f1, f2, f3 = fa0[c], fa1[c], fa2[c], fa3[c]
             s0, s1, s2, s3 = x0 & mask, x1 & mask, x2 & mask, x3 & mask
             y0, y1 = np.int64(slot_symbol[f0, s0]), np.int64(slot_symbol[f1, s1])

@@ -430,7 +430,8 @@ class _LoadRun:
                 return min(loaded, self.chunks[run.first].start)
             chunks = self.chunks[run.first : run.end]
             tokens = sum(c.tokens for c in chunks)
-            seconds = run.finished - run.submitted
+            # the done-callback may not have run yet when ``result`` returns: it is about now then
+            seconds = (run.finished or time.perf_counter()) - run.submitted
             self.loader.profile.observe_prefill(tokens, chunks[0].start, seconds)
             for k, chunk in enumerate(chunks):
                 share = _ms(seconds * chunk.tokens / tokens)
