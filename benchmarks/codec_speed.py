@@ -63,7 +63,7 @@ def inverse_precisions(data: bytes, kv: torch.Tensor, repeat: int) -> dict:
     coded = kv[:, :, :, body.exact_tokens :]
     entry: dict = {"inverse_bf16_default": bf16_inverse(kv.device)}
     decoded = {}
-    for precision in ("fp32", "bf16") if native_bf16_cpu() else ("fp32",):
+    for precision in ("fp32", "bf16") if entry["inverse_bf16_default"] else ("fp32",):
         bf16 = precision == "bf16"
         out = coefficients.clone()
         inverse_(body, out, bf16)
@@ -84,10 +84,6 @@ def decode_with(data: bytes, out: torch.Tensor, bf16: bool) -> None:
     layers, _, heads, tokens, dim = out.shape
     quantized.decode_into(body.quant, out.view(layers * 2 * heads, tokens, dim).numpy())
     inverse_(body, out, bf16)
-
-
-def native_bf16_cpu() -> bool:
-    return bf16_inverse(torch.device("cpu"))
 
 
 def timed(fn, repeat: int) -> float:
