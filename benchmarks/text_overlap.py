@@ -109,6 +109,7 @@ def run(gateway, args: argparse.Namespace) -> dict:
     stored = find_stored_prefix(contexts.store, contexts.fingerprint, contexts.chunk_size, keys, ids, [level])
     request = KVRequest([level], {level.name: 0.0}, budget_s=60.0)
     prepare = ThreadPoolExecutor(1, initializer=worker_initializer(thread_budget(None, None)))
+    original_plan = loader_module.plan
 
     def load(target_of, k: int) -> tuple[float, torch.Tensor]:
         kv = runner.new_kv(len(ids))
@@ -124,7 +125,6 @@ def run(gateway, args: argparse.Namespace) -> dict:
         assert done.tokens == stored.chunks[-1].end and sources[:k] == [TEXT] * k, sources
         return seconds, kv[:, :, :, : done.tokens].clone()
 
-    original_plan = loader_module.plan
     variants = {"overlapped": lambda t: t, "blocking": BlockingTarget}
     rows: dict[str, dict] = {}
     for k in (int(x) for x in args.text_chunks.split(",")):
