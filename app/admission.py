@@ -2,16 +2,17 @@
 
 At most ``max_queue`` requests are in flight (loading, waiting, running or
 pre-encoding); the next one gets 429 with ``Retry-After`` before any response
-starts. Admitted work runs on a small pool of prepare threads, never on the
-event loop or the model thread: a generation's preparation (memory, store
-probe, prefix load) ends by handing it to the step loop, whose events then
-arrive here. A consumer that goes away (a client that disconnected) sets the
-request's cancel flag; the scheduler drops the request at its next step.
+starts. An admitted generation is handed to the scheduler
+(``RequestExecutor.start``), which never blocks the event loop: its events
+arrive here from the scheduler's threads. A consumer that goes away (a client
+that disconnected) sets the request's cancel flag (a ``scheduler.flag.Flag``,
+which also tells what waits on the request's behalf); the scheduler drops the
+request at its next step.
 
 Pre-encodes (``background``) are long (a prefill and an encode of a whole
-context) and run on a pool of their own, so they never hold a prepare thread
-that an interactive request waits for; the step loop serves their prefill after
-every interactive one. Each tenant may have ``max_encodes_per_tenant`` of them
+context) and run on a pool of their own, so they never take the prepare
+threads that interactive requests load on; the step loop serves their prefill
+after every interactive one. Each tenant may have ``max_encodes_per_tenant`` of them
 in flight; the next gets 429 with ``Retry-After``, so one tenant's burst of
 pre-encodes cannot queue the others' behind it.
 """
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 
 from app.errors import Overloaded, TooManyEncodes
 from app.threads import lower_priority
+from scheduler.flag import Flag
 from scheduler.generation import Finished
 
 T = TypeVar("T")
@@ -37,7 +39,6 @@ class Admission:
     def __init__(
         self,
         max_queue: int,
-        threads: int,
         initializer: Callable[[], None] | None = None,
         *,
         encode_threads: int = 2,
@@ -45,9 +46,6 @@ class Admission:
     ) -> None:
         self.max_queue = max_queue
         self.max_encodes_per_tenant = max_encodes_per_tenant
-        self._pool = ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix="prepare", initializer=initializer
-        )
         self._encode_pool = ThreadPoolExecutor(
             max_workers=encode_threads, thread_name_prefix="encode", initializer=_background(initializer)
         )
@@ -118,33 +116,25 @@ class Admission:
     def stream(self, job: StreamJob) -> EventStream:
         """Admit now (so 429 comes before any response starts); iterate the job's events.
 
-        The job runs on a prepare thread with ``(emit, cancel)``; the events end
-        with a ``Finished`` or an exception, which is raised here.
+        The job is started here with ``(emit, cancel)`` and must not block; its
+        events, from any thread, end with a ``Finished`` or an exception, which is
+        raised here.
         """
         self._admit()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        cancel = threading.Event()
+        cancel = Flag()
 
         def emit(event: Any) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        def run() -> None:
-            try:
-                job(emit, cancel)
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
-                emit(exc)
-
         try:
-            self._pool.submit(run)
-        except RuntimeError:  # the pool is shut down
-            self._release()
-            raise
-
+            job(emit, cancel)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            emit(exc)
         return EventStream(queue, cancel, self._release)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
         self._encode_pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -22,7 +22,7 @@ from engine import ModelRunner, load_model
 from engine.identity import model_identity
 from scheduler.codec_gate import CodecGate
 from scheduler.contexts import ContextStore
-from scheduler.executor import RequestExecutor
+from scheduler.executor import RequestExecutor, RequestState
 from scheduler.geometry import KVGeometry
 from scheduler.kv_memory import KVMemory
 from scheduler.lifecycle import StoreCollector
@@ -93,7 +93,9 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
         vocabulary=identity.vocabulary,
         chunk_size=settings.chunk_size,
     )
-    with _stage(f"the KV pool ({settings.kv_memory_bytes >> 20} MiB on a CPU, prefault {settings.kv_prefault})"):
+    with _stage(
+        f"the KV pool ({settings.kv_memory_bytes >> 20} MiB on a CPU, prefault {settings.kv_prefault})"
+    ):
         runner.use_kv_pool(settings.kv_memory_bytes, settings.kv_prefault)
     with _stage(f"opening the KV store {settings.store_url}"):
         store = open_store(settings.store_url, cache_bytes=settings.store_cache_size)
@@ -163,13 +165,20 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
     memory = KVMemory(settings.kv_memory_bytes, reclaim=cache.reclaim if cache is not None else None)
     admission = Admission(
         settings.max_queue,
-        max(2, min(8, settings.max_num_seqs)),
         worker_threads,
         encode_threads=settings.encode_threads,
         max_encodes_per_tenant=settings.max_encodes_per_tenant,
     )
     metrics.running.set_function(lambda: loop.running)
     metrics.waiting.set_function(lambda: max(0, admission.admitted - loop.running))
+    prepare = ThreadPoolExecutor(
+        max_workers=max(2, min(8, settings.max_num_seqs)),
+        thread_name_prefix="prepare",
+        initializer=worker_threads,
+    )
+    executor = RequestExecutor(runner, contexts, loader, loop, memory, prepare, write_back, cache)
+    for state in (RequestState.WAITING, RequestState.LOADING, RequestState.RUNNING):
+        metrics.request_states.labels(state.value).set_function(lambda state=state: executor.count(state))
     metrics.kv_memory_used.set_function(lambda: memory.used)
     metrics.engine_steps.set_function(lambda: loop.stats.steps)
     metrics.engine_busy.set_function(lambda: loop.stats.busy_s)
@@ -200,7 +209,7 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
         runner=runner,
         store=store,
         contexts=contexts,
-        executor=RequestExecutor(runner, contexts, loader, loop, memory, write_back, cache),
+        executor=executor,
         admission=admission,
         loop=loop,
         memory=memory,

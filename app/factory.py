@@ -118,6 +118,7 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
 def shut_down(gateway: Gateway) -> None:
     """Stop the gateway's threads and pools, close the store, keep the cost profile."""
     gateway.admission.shutdown()
+    gateway.executor.pool.shutdown(wait=False, cancel_futures=True)
     gateway.loop.stop()
     if gateway.executor.write_back is not None:
         gateway.executor.write_back.shutdown()

@@ -34,6 +34,7 @@ from engine.sampling import SamplingParams
 from scheduler.collection_lease import CollectionLease
 from scheduler.contexts import ContextStore
 from scheduler.executor import RequestExecutor
+from scheduler.flag import Flag
 from scheduler.generation import Finished, GenerationJob, PrefixReport, PromptDone, TokenEvent
 from scheduler.kv_memory import KVMemory
 from scheduler.lifecycle import CollectReport, StoreCollector
@@ -280,7 +281,7 @@ class Gateway:
         jobs = [replace(job, sampling=replace(job.sampling, seed=seed)) for seed in seeds]
         if self.settings.prefix_cache and job.kv is not None:
             # the first choice prefills the prompt; the others find it in memory (scheduler/executor.py)
-            ready = threading.Event()
+            ready = Flag()
             jobs = [replace(jobs[0], prompt_ready=ready), *(replace(j, after=ready) for j in jobs[1:])]
         return jobs
 
@@ -318,7 +319,7 @@ class Gateway:
     def events(self, job: GenerationJob) -> TextStream:
         """Admit the job and run it; its events, with their text made here, off the model thread."""
         self.executor.check(job)
-        stream = self.admission.stream(lambda emit, cancel: self.executor.run(job, emit, cancel))
+        stream = self.admission.stream(lambda emit, cancel: self.executor.start(job, emit, cancel))
         return TextStream(stream, self.runner.tokenizer, job.stops)
 
     def admit_all(self, jobs: list[GenerationJob]) -> list[TextStream]:

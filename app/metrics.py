@@ -70,7 +70,9 @@ class Metrics:
             buckets=_TTFT_BUCKETS,
         )
         self.replica = Gauge(
-            "cachegen:replica_info", "1, labelled with this gateway's name (the replica setting).", ["replica"],
+            "cachegen:replica_info",
+            "1, labelled with this gateway's name (the replica setting).",
+            ["replica"],
             registry=r,
         )
         self.kv_store_faults = Counter(
@@ -133,6 +135,13 @@ class Metrics:
             registry=r,
         )
         self.waiting = Gauge("cachegen:num_requests_waiting", "Requests queued for the model.", registry=r)
+        self.request_states = Gauge(
+            "cachegen:requests_by_state",
+            "Generations by scheduler state (scheduler/executor.py RequestState): waiting for KV memory "
+            "or a sibling's prompt, loading their prefix, or running on the step loop.",
+            ["state"],
+            registry=r,
+        )
         # the step loop's own counts (scheduler/step_loop.py StepStats): mean batch and step time
         self.engine_steps = Gauge("cachegen:engine_steps", "Model steps run.", registry=r)
         self.engine_busy = Gauge(

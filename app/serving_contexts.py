@@ -13,6 +13,7 @@ from app.gateway import DISCONNECT_POLL_S, Disconnected, Gateway
 from app.protocol import ContextRequest
 from codec import Level
 from scheduler.contexts import StoredPieces
+from scheduler.flag import Flag
 from scheduler.manifest import Manifest
 from scheduler.tenancy import PUBLIC, KeySpace
 
@@ -155,7 +156,7 @@ async def create_context(
             gateway, gateway.contexts.save, token_ids, None, levels, 0.0, space, request.ttl_seconds, stored
         )
         return context_object(manifest, encoded=False)
-    cancel = threading.Event()
+    cancel = Flag()
     task = asyncio.ensure_future(
         gateway.admission.background(
             space.tenant,

@@ -52,8 +52,10 @@ class BlockingTarget:
     def new_kv(self, tokens: int) -> torch.Tensor:
         return self.target.new_kv(tokens)
 
-    def start_prefill(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> Future[bool]:
-        future = self.target.start_prefill(kv, start, token_ids)
+    def start_prefill(
+        self, kv: torch.Tensor, start: int, token_ids: list[int], after: Future[bool] | None = None
+    ) -> Future[bool]:
+        future = self.target.start_prefill(kv, start, token_ids, after)
         future.result()
         return future
 

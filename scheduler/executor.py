@@ -1,15 +1,24 @@
-"""A generation request up to the step loop: KV memory, the stored prefix, then the hand-off.
+"""A generation request up to the step loop: its states, KV memory, the stored prefix, the hand-off.
 
-``RequestExecutor.run`` runs on a prepare thread, never on the model thread:
+A request moves through ``RequestState``: **waiting** (for its KV memory, or
+for its sibling's prompt when it is one of ``n`` choices), **loading** (its
+prefix from memory or the store), then **running** on the step loop (which
+queues it for a batch slot), and **finished**. No thread waits on its behalf:
 
-1. reserve the request's KV memory (``prompt + max_tokens`` tokens, and the
-   fetched chunks a load from the store may hold until it is done), waiting
-   while the budget is full;
-2. find what the store holds of the prompt and load it into the request's KV
-   buffer: fetches on the I/O pool, decoding here, and the adaptive plan's text
-   chunks as prefill on the step loop (``PrefixLoader``);
-3. hand a ``Generation`` to the step loop, which prefills the rest of the
-   prompt and generates. A request still loading holds no batch slot.
+1. ``start`` (on the caller's thread; it never blocks) asks the prefix cache
+   for KV already in memory and reserves the request's KV memory
+   (``prompt + max_tokens`` tokens, and the fetched chunks a load from the
+   store may hold until it is done) as a future, ``KVMemory.reserve_async``.
+   A choice that follows its sibling's prompt (``job.after``) does this when
+   the sibling's prompt is in memory;
+2. once the memory is granted, a prepare thread loads the prefix into the
+   request's buffer: fetches on the I/O pool, decoding there, and the adaptive
+   plan's text chunks as prefill on the step loop (``PrefixLoader.start``);
+   the step loop holds the load as a future from then on and checks it
+   every step;
+3. when the text chunks are in too, the load's future gives the step loop a
+   ``Generation``, which prefills the rest of the prompt and generates. A
+   request still loading holds no batch slot.
 
 Before the store, the prefix cache (``scheduler/prefix_cache.py``) is asked
 for KV already in memory; the store is read only when it could add at least
@@ -23,25 +32,39 @@ releases it when it holds nothing new); a failed one releases it.
 
 from __future__ import annotations
 
+import enum
+import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
 from engine import ModelRunner
 from scheduler.contexts import ContextStore
+from scheduler.flag import Flag, when_set
 from scheduler.generation import Finished, Generation, GenerationJob, PrefixReport
 from scheduler.kv_memory import KVMemory
 from scheduler.loader import PrefixLoader
 from scheduler.prefix_cache import MAX_PARTS, CachedRun, Hit, PrefixCache, parts
 from scheduler.prefix_load import KVRequest, PrefixLoad
-from scheduler.step_loop import StepLoop
+from scheduler.step_loop import LoopStopped, StepLoop
 from scheduler.stored import StoredPrefix, find_stored_prefix
 from scheduler.write_back import WriteBack
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # for its KV memory, or for its sibling's prompt
+    LOADING = "loading"  # its prefix, from memory or the store
+    RUNNING = "running"  # on the step loop: queued for a batch slot, prefilling or generating
+    FINISHED = "finished"
 
 
 @dataclass
@@ -56,24 +79,44 @@ class LoopTarget:
         assert tokens <= self.kv.shape[3], "the request's buffer is sized for the whole request"
         return self.kv
 
-    def start_prefill(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> Future[bool]:
-        return self.loop.prefill_async(kv, start, token_ids, cancel=self.cancel)
+    def start_prefill(
+        self, kv: torch.Tensor, start: int, token_ids: list[int], after: Future[bool] | None = None
+    ) -> Future[bool]:
+        return self.loop.prefill_async(kv, start, token_ids, cancel=self.cancel, after=after)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Buffer:
     """Where a request's KV goes: the read-only parts it shares, then its own buffer."""
 
-    kv: torch.Tensor
+    kv: torch.Tensor | None  # None until its memory is granted
+    tokens: int  # what ``kv`` holds
     nbytes: int  # the KV memory reserved for ``kv``
     shared: tuple[torch.Tensor, ...] = ()
     attached: CachedRun | None = None  # a cached run taken over, whose buffer ``kv`` is
     reading: Hit | None = None  # a hit shared: pinned until the request finishes
     staging: int = 0  # KV memory reserved for the load's fetched chunks, released after the load
+    reserved: bool = False  # ``nbytes + staging`` granted (an attached buffer's are the cache's)
 
     @property
     def in_place(self) -> bool:
         return self.attached is not None or self.reading is not None
+
+
+@dataclass(eq=False)
+class _Request:
+    """What a request holds until a ``Generation`` owns it."""
+
+    job: GenerationJob
+    emit: Callable[[Any], None]
+    cancel: threading.Event
+    arrived: float = field(default_factory=time.perf_counter)
+    state: RequestState | None = None
+    hit: Hit | None = None
+    buffer: _Buffer | None = None
+    keys: list[str] = field(default_factory=list)
+    admitted: bool = False  # ``_admit`` ran (the sibling's flag and the cancel flag may both call it)
+    handed: bool = False  # a generation owns its memory from now on
 
 
 @dataclass
@@ -83,8 +126,11 @@ class RequestExecutor:
     loader: PrefixLoader
     loop: StepLoop
     memory: KVMemory
+    pool: ThreadPoolExecutor  # prepare threads: lookups, store probes and decoding, never waiting
     write_back: WriteBack | None = None
     cache: PrefixCache | None = None
+    _states: dict[RequestState, int] = field(default_factory=dict, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def check(self, job: GenerationJob) -> None:
         """Refuse at once a request that could never fit the KV memory budget."""
@@ -93,105 +139,217 @@ class RequestExecutor:
     def kv_bytes(self, job: GenerationJob) -> int:
         return self.runner.kv_bytes(job.capacity)
 
-    def run(self, job: GenerationJob, emit: Callable[[Any], None], cancel: threading.Event) -> None:
-        handed = False
-        try:
-            handed = self._run(job, emit, cancel)
-        finally:
-            if job.prompt_ready is not None and not handed:
-                job.prompt_ready.set()  # never reached the loop: the other choices go on alone
+    def count(self, state: RequestState) -> int:
+        """Requests in ``state`` now (not ``FINISHED``)."""
+        return self._states.get(state, 0)
 
-    def _run(self, job: GenerationJob, emit: Callable[[Any], None], cancel: threading.Event) -> bool:
-        """Returns whether the generation was handed to the step loop."""
-        t0 = time.perf_counter()
-        if job.after is not None:
-            while not job.after.wait(0.05):  # the first choice's prompt, then its KV from memory
-                if cancel.is_set():
-                    emit(Finished("abort", 0))
-                    return False
-        hit = self._lookup(job)
-        buffer = self._acquire(job, hit, cancel)
-        if buffer is None:
-            emit(Finished("abort", 0))
-            return False
-        kv, nbytes, attached, reading = buffer.kv, buffer.nbytes, buffer.attached, buffer.reading
-        runs: list[CachedRun] = [attached] if attached is not None else []
-        handed = False
-        try:
-            try:
-                # the last prompt token is always recomputed: its logits give the first output token
-                keys = self.contexts.keys(job.prompt_ids[:-1], job.key_space) if job.kv is not None else []
-                target = LoopTarget(kv, self.loop, cancel)
-                load = self._load_prefix(job, keys, target, cancel, hit, buffer)
-            finally:
-                self.memory.release(buffer.staging)
-            budget = job.kv.budget_s if job.kv is not None else None
-            cached = load.stored_tokens + load.memory_tokens
-            report = PrefixReport(
-                cached_tokens=cached,
-                recomputed_tokens=len(job.prompt_ids) - cached,
-                chunks=load.chunks,
-                load_ms=_ms(time.perf_counter() - t0),
-                prefill_ms=0.0,
-                faults=load.faults,
-                bandwidth_bps=load.bandwidth_bps,
-                budget_ms=None if budget is None else _ms(budget),
-                planned_ms=None if load.planned_s is None else _ms(load.planned_s),
-                memory_tokens=load.memory_tokens,
-            )
-            generation = Generation(
-                job,
-                self.runner,
-                kv,
-                load.tokens,
-                report,
-                emit,
-                cancel,
-                on_prefilled=lambda g: self._prefilled(g, keys, load, runs, nbytes, reading),
-                on_finished=lambda g: self._finished(g, runs, nbytes, reading),
-                shared=buffer.shared,
-            )
-            self.loop.submit(generation)
-            handed = True
-        finally:
-            if hit is not None and attached is None and (reading is None or not handed):
-                self._unpin(hit)
-            if not handed:
-                if attached is not None and self.cache is not None:
-                    self.memory.release(self.cache.release(attached, None, job.key_space))
-                else:
-                    self.memory.release(nbytes)
-        # after the hand-off: the request does not wait for these
-        if load.bad_chunks:
-            self.contexts.forget_chunks(keys[0], set(load.bad_chunks))
-        if load.stored_tokens:
-            self.contexts.touch(keys[0])
-        return handed
+    def start(self, job: GenerationJob, emit: Callable[[Any], None], cancel: threading.Event) -> None:
+        """Take a request in; never blocks. Its events, or its error, come through ``emit`` from
+        the thread that has them; the request ends with a ``Finished`` or an exception."""
+        request = _Request(job, emit, cancel)
+        self._enter(request, RequestState.WAITING)
+        after = job.after
+        if after is None or after.is_set():
+            self._submit(request, self._admit)
+            return
+        if not isinstance(after, Flag):
+            raise TypeError("a choice that follows its sibling waits on a scheduler.flag.Flag")
+        admit = _once(lambda: self._submit(request, self._admit))  # the sibling's prompt, or a cancel
+        after.add_callback(admit)
+        when_set(cancel, admit)
 
-    def _acquire(self, job: GenerationJob, hit: Hit | None, cancel: threading.Event) -> _Buffer | None:
-        """The request's KV buffer. An unused cached buffer with room for the whole request is
-        taken over; otherwise a hit from memory alone is shared, and the new buffer holds only the
-        tokens after it; otherwise the buffer holds the whole request. None: cancelled while
-        waiting for KV memory (the hit is then unpinned)."""
+    # -- the stages: each runs on a prepare thread, and ends by asking for the next ----------------
+
+    def _admit(self, request: _Request) -> None:
+        """Look the prompt up in memory and ask for the request's KV memory. An unused cached
+        buffer with room for the whole request is taken over; otherwise a hit from memory alone is
+        shared, and the new buffer holds only the tokens after it; otherwise the buffer holds the
+        whole request."""
+        if request.cancel.is_set():
+            self._abort(request)
+            return
+        job = request.job
+        hit = request.hit = self._lookup(job)
         memory_only = hit is not None and self._memory_suffices(job, hit)
         staging = self._staging_bytes(job, memory_only)
         attached = self._take(job, hit, memory_only)
         if attached is not None:
             shared = tuple(parts(attached.parent, attached.offset)) if attached.parent is not None else ()
-            # holding the taken buffer, a blocking wait could deadlock: without the staging
-            # memory the load fetches one chunk at a time
+            # nothing waits holding the taken buffer: without the staging memory the load fetches
+            # one chunk at a time
             staging = staging if staging and self.memory.try_reserve(staging) else 0
-            return _Buffer(attached.kv, attached.nbytes, shared, attached=attached, staging=staging)
+            request.buffer = _Buffer(
+                attached.kv, attached.kv.shape[3], attached.nbytes, shared, attached=attached, staging=staging
+            )
+            self._load(request)
+            return
         shared = tuple(hit.parts()) if hit is not None and memory_only else ()
         reading = hit if 0 < len(shared) < MAX_PARTS else None
         tokens = job.capacity - (reading.tokens if reading is not None else 0)
         nbytes = self.runner.kv_bytes(tokens)
         staging = max(0, min(staging, self.memory.budget - nbytes))  # never what makes a request too large
-        if not self.memory.reserve(nbytes + staging, cancel):
-            self._unpin(hit)
-            return None
-        kv = self.runner.new_kv(tokens)
-        return _Buffer(kv, nbytes, shared, reading=reading, staging=staging)
+        buffer = request.buffer = _Buffer(None, tokens, nbytes, shared, reading=reading)
+
+        def granted(answer: Future[bool]) -> None:  # on the thread that frees the memory
+            if answer.result():
+                buffer.reserved, buffer.staging = True, staging
+            self._submit(request, self._granted)
+
+        self.memory.reserve_async(nbytes + staging, request.cancel).add_done_callback(granted)
+
+    def _granted(self, request: _Request) -> None:
+        buffer = request.buffer
+        assert buffer is not None
+        if not buffer.reserved or request.cancel.is_set():
+            self._abort(request)
+            return
+        buffer.kv = self.runner.new_kv(buffer.tokens)
+        self._load(request)
+
+    def _load(self, request: _Request) -> None:
+        """Load the prefix: the step loop holds the load as a future from here on."""
+        job, buffer = request.job, request.buffer
+        assert buffer is not None and buffer.kv is not None
+        self._enter(request, RequestState.LOADING)
+        # the last prompt token is always recomputed: its logits give the first output token
+        keys = request.keys = (
+            self.contexts.keys(job.prompt_ids[:-1], job.key_space) if job.kv is not None else []
+        )
+        pending: Future[Generation | None] = Future()
+        self.loop.submit_loading(pending)
+        try:
+            loading = self._load_prefix(job, keys, LoopTarget(buffer.kv, self.loop, request.cancel), request)
+        except BaseException:
+            pending.set_result(None)
+            raise
+        loading.add_done_callback(lambda done: self._loaded(request, done, pending))
+
+    def _loaded(
+        self, request: _Request, loading: Future[PrefixLoad], pending: Future[Generation | None]
+    ) -> None:
+        """The prefix is in (on the thread that finished it: the model thread after text chunks):
+        the generation goes to the step loop, or the request ends with the load's error."""
+        generation = None
+        try:
+            buffer = request.buffer
+            assert buffer is not None
+            self.memory.release(buffer.staging)
+            buffer.staging = 0
+            load = loading.result()
+            generation = self._generation(request, load)
+        except BaseException as exc:  # noqa: BLE001 - the client hears of it
+            self._fail(request, exc)
+        finally:
+            pending.set_result(generation)
+        if generation is not None:
+            self._submit_quietly(self._after_load, request.keys, load)
+
+    def _generation(self, request: _Request, load: PrefixLoad) -> Generation:
+        job, buffer = request.job, request.buffer
+        assert buffer is not None and buffer.kv is not None
+        budget = job.kv.budget_s if job.kv is not None else None
+        cached = load.stored_tokens + load.memory_tokens
+        report = PrefixReport(
+            cached_tokens=cached,
+            recomputed_tokens=len(job.prompt_ids) - cached,
+            chunks=load.chunks,
+            load_ms=_ms(time.perf_counter() - request.arrived),
+            prefill_ms=0.0,
+            faults=load.faults,
+            bandwidth_bps=load.bandwidth_bps,
+            budget_ms=None if budget is None else _ms(budget),
+            planned_ms=None if load.planned_s is None else _ms(load.planned_s),
+            memory_tokens=load.memory_tokens,
+        )
+        runs: list[CachedRun] = [buffer.attached] if buffer.attached is not None else []
+        keys, nbytes, reading = request.keys, buffer.nbytes, buffer.reading
+        generation = Generation(
+            job,
+            self.runner,
+            buffer.kv,
+            load.tokens,
+            report,
+            request.emit,
+            request.cancel,
+            on_prefilled=lambda g: self._prefilled(g, keys, load, runs, nbytes, reading),
+            on_finished=lambda g: self._finished(request, g, runs, nbytes, reading),
+            shared=buffer.shared,
+        )
+        request.handed = True
+        if reading is None and buffer.attached is None and request.hit is not None:
+            self._unpin(request.hit)  # a hit only copied (or the store's chunks came first)
+        request.hit = None
+        self._enter(request, RequestState.RUNNING)
+        return generation
+
+    def _after_load(self, keys: list[str], load: PrefixLoad) -> None:
+        """What the request does not wait for: the store's index hears of bad chunks and of use."""
+        if load.bad_chunks:
+            self.contexts.forget_chunks(keys[0], set(load.bad_chunks))
+        if load.stored_tokens:
+            self.contexts.touch(keys[0])
+
+    # -- ending before the step loop -------------------------------------------------------------
+
+    def _abort(self, request: _Request) -> None:
+        self._drop(request)
+        request.emit(Finished("abort", 0))
+
+    def _fail(self, request: _Request, exc: BaseException) -> None:
+        self._drop(request)
+        request.emit(exc)
+
+    def _drop(self, request: _Request) -> None:
+        """Give back what a request holds that no generation owns (at most once)."""
+        if request.handed or request.state is RequestState.FINISHED:
+            return
+        buffer, request.buffer = request.buffer, None
+        if buffer is not None:
+            self.memory.release(buffer.staging)
+            if buffer.attached is not None and self.cache is not None:
+                self.memory.release(self.cache.release(buffer.attached, None, request.job.key_space))
+            elif buffer.reserved:
+                self.memory.release(buffer.nbytes)
+        if buffer is None or buffer.attached is None:
+            self._unpin(request.hit)
+        request.hit = None
+        self._enter(request, RequestState.FINISHED)
+        if request.job.prompt_ready is not None:
+            request.job.prompt_ready.set()  # never reached the loop: the other choices go on alone
+
+    # -- threads and states ----------------------------------------------------------------------
+
+    def _submit(self, request: _Request, stage: Callable[[_Request], None]) -> None:
+        """Run ``stage`` on a prepare thread; its error ends the request."""
+
+        def run() -> None:
+            try:
+                stage(request)
+            except BaseException as exc:
+                if request.handed:
+                    log.exception("a request's stage failed after its hand-off")
+                else:
+                    self._fail(request, exc)
+
+        try:
+            self.pool.submit(run)
+        except RuntimeError:  # the pool is shut down
+            self._fail(request, LoopStopped("the server is shutting down"))
+
+    def _submit_quietly(self, fn: Callable[..., None], *args: Any) -> None:
+        """Best-effort work on a prepare thread, after the request no longer waits for it."""
+        try:
+            self.pool.submit(fn, *args)
+        except RuntimeError:
+            pass
+
+    def _enter(self, request: _Request, state: RequestState) -> None:
+        with self._lock:
+            if request.state is not None:
+                self._states[request.state] -= 1
+            if state is not RequestState.FINISHED:
+                self._states[state] = self._states.get(state, 0) + 1
+            request.state = state
 
     def _staging_bytes(self, job: GenerationJob, memory_only: bool) -> int:
         """KV memory for the chunks a load from the store holds at once; 0 when none can run."""
@@ -227,27 +385,29 @@ class RequestExecutor:
         return self.cache.lookup(job.prompt_ids[:-1], job.key_space, _worst_distortion(job.kv))
 
     def _load_prefix(
-        self,
-        job: GenerationJob,
-        keys: list[str],
-        target: LoopTarget,
-        cancel: threading.Event,
-        hit: Hit | None,
-        buffer: _Buffer,
-    ) -> PrefixLoad:
+        self, job: GenerationJob, keys: list[str], target: LoopTarget, request: _Request
+    ) -> Future[PrefixLoad]:
         """Memory first, then the store when it holds at least a chunk more than memory.
-        When ``buffer`` is in place, the hit's KV is read where it lies (taken over or shared),
-        not copied."""
+        When the buffer is in place, the hit's KV is read where it lies (taken over or shared),
+        not copied. Decodes here; the future is done when the text chunks are in too."""
+        hit, buffer = request.hit, request.buffer
+        assert buffer is not None
         if job.kv is None:
-            return PrefixLoad(kv=None)
+            return _done(PrefixLoad(kv=None))
         if hit is not None and self._memory_suffices(job, hit):
-            return self._from_memory(hit, target.kv, buffer.in_place)
-        load = self._load_stored(job, keys, target, cancel, buffer.staging)
-        if hit is not None and hit.tokens + self.contexts.chunk_size > load.tokens:
+            return _done(self._from_memory(hit, target.kv, buffer.in_place))
+        loading = self._load_stored(job, keys, target, request.cancel, buffer.staging)
+        if hit is None:
+            return loading
+
+        def over_memory(load: PrefixLoad) -> PrefixLoad:
+            if hit.tokens + self.contexts.chunk_size <= load.tokens:
+                return load
             memory = self._from_memory(hit, target.kv, buffer.in_place)  # over what the store wrote
             memory.faults = load.faults
             return memory
-        return load
+
+        return _then(loading, over_memory)
 
     def _from_memory(self, hit: Hit, kv: torch.Tensor, in_place: bool) -> PrefixLoad:
         if not in_place:  # a chain too long to share, or the store's chunks came first
@@ -269,8 +429,9 @@ class RequestExecutor:
 
     def _load_stored(
         self, job: GenerationJob, keys: list[str], target: LoopTarget, cancel: threading.Event, staging: int
-    ) -> PrefixLoad:
+    ) -> Future[PrefixLoad]:
         assert job.kv is not None
+        kv_request = job.kv
         stored = StoredPrefix()
         if keys:
             stored = find_stored_prefix(
@@ -279,31 +440,39 @@ class RequestExecutor:
                 self.contexts.chunk_size,
                 keys,
                 job.prompt_ids[:-1],
-                job.kv.levels,
+                kv_request.levels,
             )
         if not stored.chunks:
-            return PrefixLoad(kv=None, faults=stored.faults)
-        load = self.loader.load(
+            return _done(PrefixLoad(kv=None, faults=stored.faults))
+        loading = self.loader.start(
             target,
             stored,
             job.prompt_ids[:-1],
-            job.kv,
+            kv_request,
             len(job.prompt_ids),
             job.admitted,
             cancel,
             job.capacity,
             staging,
         )
-        used = {c.index for c in load.chunks if c.source == "store"}
-        load.distortion = max(
-            (job.kv.distortion.get(c.level, 0.0) for c in load.chunks if c.source == "store" and c.level),
-            default=0.0,
-        )
-        load.expires = min(
-            (c.expires for c in stored.chunks if c.index in used and c.expires is not None), default=None
-        )
-        load.store_key = keys[0] if used else None
-        return load
+
+        def described(load: PrefixLoad) -> PrefixLoad:
+            used = {c.index for c in load.chunks if c.source == "store"}
+            load.distortion = max(
+                (
+                    kv_request.distortion.get(c.level, 0.0)
+                    for c in load.chunks
+                    if c.source == "store" and c.level
+                ),
+                default=0.0,
+            )
+            load.expires = min(
+                (c.expires for c in stored.chunks if c.index in used and c.expires is not None), default=None
+            )
+            load.store_key = keys[0] if used else None
+            return load
+
+        return _then(loading, described)
 
     def _prefilled(
         self,
@@ -346,10 +515,16 @@ class RequestExecutor:
             self.write_back.submit(keys, generation.parts, first=first, exact=load.exact)
 
     def _finished(
-        self, generation: Generation, runs: list[CachedRun], nbytes: int, reading: Hit | None
+        self,
+        request: _Request,
+        generation: Generation,
+        runs: list[CachedRun],
+        nbytes: int,
+        reading: Hit | None,
     ) -> None:
         """The generation's memory goes to the prefix cache with every token it computed, or back;
         then it lets go of the hit it read."""
+        self._enter(request, RequestState.FINISHED)
         if generation.job.prompt_ready is not None:
             generation.job.prompt_ready.set()
         if self.cache is None or not runs:
@@ -359,6 +534,41 @@ class RequestExecutor:
             ids = None if failed else generation.computed_ids
             self.memory.release(self.cache.release(runs[0], ids, generation.job.key_space))
         self._unpin(reading)
+
+
+def _done(value: T) -> Future[T]:
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future
+
+
+def _then(future: Future[T], fn: Callable[[T], U]) -> Future[U]:
+    """A future of ``fn`` of ``future``'s result (``fn`` runs on the thread that completes it)."""
+    out: Future[U] = Future()
+
+    def chained(done: Future[T]) -> None:
+        try:
+            out.set_result(fn(done.result()))
+        except BaseException as exc:  # noqa: BLE001 - carried by the future
+            out.set_exception(exc)
+
+    future.add_done_callback(chained)
+    return out
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, run by the first call only (any thread)."""
+    lock = threading.Lock()
+    called = [False]
+
+    def call() -> None:
+        with lock:
+            if called[0]:
+                return
+            called[0] = True
+        fn()
+
+    return call
 
 
 def _worst_distortion(request: KVRequest) -> float:

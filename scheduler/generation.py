@@ -25,6 +25,7 @@ import torch
 from engine import ModelRunner
 from engine.ragged import Segment
 from engine.sampling import SamplingParams, TokenHistory, adjust_logits, make_generator
+from scheduler.flag import Flag
 from scheduler.prefix_load import ChunkReport, KVRequest
 from scheduler.tenancy import PUBLIC, KeySpace
 
@@ -44,8 +45,8 @@ class GenerationJob:
     key_space: KeySpace = PUBLIC  # whose stored KV it reads and writes back
     # the choices of one request (``n``) share their prompt: the first sets ``prompt_ready`` when its
     # prompt's KV is in the prefix cache (or it ended), the others wait on it as ``after`` and hit it
-    prompt_ready: threading.Event | None = None
-    after: threading.Event | None = None
+    prompt_ready: Flag | None = None
+    after: Flag | None = None
 
     @property
     def capacity(self) -> int:

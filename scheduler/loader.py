@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -124,8 +124,29 @@ class PrefixLoader:
         capacity: int | None = None,
         staging_bytes: int | None = None,
     ) -> PrefixLoad:
+        """``start``, waited for."""
+        return self.start(
+            target, stored, token_ids, request, prompt_tokens, started, cancel, capacity, staging_bytes
+        ).result()
+
+    def start(
+        self,
+        target: KVTarget,
+        stored: StoredPrefix,
+        token_ids: Sequence[int],
+        request: KVRequest,
+        prompt_tokens: int,
+        started: float,
+        cancel: threading.Event | None = None,
+        capacity: int | None = None,
+        staging_bytes: int | None = None,
+    ) -> Future[PrefixLoad]:
         """Load ``stored`` into a new KV buffer of ``capacity`` tokens (default: the prefix's):
         size it for the whole request, and the model's cache grows inside it.
+
+        Fetches and decodes on the calling thread, and returns when the store's chunks are in;
+        the future is done when the text chunks' prefill on the model is too (it may be done on
+        return), or raises the load's error once no prefill writes into the buffer any more.
 
         ``staging_bytes`` (default: ``staging_bytes`` of the longest chunk; what the caller reserved
         for it) bounds the fetched bytes held at once. One chunk is always fetched, so 0 means one
@@ -206,11 +227,12 @@ class _LoadRun:
         self.text_runs: list[_TextRun] = []  # in chunk order
         self.result = PrefixLoad(kv=None, faults=list(stored.faults))
 
-    def execute(self, cancel: threading.Event, capacity: int | None) -> PrefixLoad:
+    def execute(self, cancel: threading.Event, capacity: int | None) -> Future[PrefixLoad]:
         prefix = self.chunks[-1].end if self.chunks else 0
         kv = self.target.new_kv(max(prefix, capacity or 0)) if self.chunks else None
         loaded = 0
         i = 0
+        error: BaseException | None = None
         try:
             while i < len(self.chunks) and not cancel.is_set():
                 if i >= self.committed:
@@ -221,15 +243,28 @@ class _LoadRun:
                 i += done
                 if not more:
                     break
+        except BaseException as exc:  # noqa: BLE001 - raised from the future once the text runs end
+            error = exc
         finally:
             for future in self.pending.values():
                 future.cancel()
-            loaded = self._finish_text(loaded)
-        self.result.chunks.sort(key=lambda c: c.index)
-        self.result.kv = kv if loaded else None
-        self.result.tokens = loaded
-        self.result.bandwidth_bps = self.loader.bandwidth.bytes_per_second
-        return self.result
+        result: Future[PrefixLoad] = Future()
+
+        def finish() -> None:  # on the thread that ends the last text run (the model thread)
+            try:
+                if error is not None:
+                    raise error
+                tokens = self._finish_text(loaded)
+                self.result.chunks.sort(key=lambda c: c.index)
+                self.result.kv = kv if tokens else None
+                self.result.tokens = tokens
+                self.result.bandwidth_bps = self.loader.bandwidth.bytes_per_second
+                result.set_result(self.result)
+            except BaseException as exc:  # noqa: BLE001 - the future carries it to the caller
+                result.set_exception(exc)
+
+        _when_all([run.future for run in self.text_runs], finish)
+        return result
 
     # -- planning -----------------------------------------------------------------------------
 
@@ -410,28 +445,27 @@ class _LoadRun:
 
     def _start_text(self, first: int, end: int, kv: torch.Tensor) -> None:
         """Prefill text chunks ``[first, end)`` on the model, without waiting for it. A run reads
-        the KV of every chunk before it, so an earlier run still prefilling is waited for first
-        (the store chunks between them are decoded by then: they are consumed in order)."""
-        for run in self.text_runs:
-            if not run.future.done():
-                wait([run.future])
+        the KV of every chunk before it, so it starts after the run before it (the store chunks
+        between them are decoded by then: they are consumed in order)."""
         start, stop = self.chunks[first].start, self.chunks[end - 1].end
         predicted = self.loader.profile.prefill_seconds(stop - start, start)
-        future = self.target.start_prefill(kv, start, list(self.token_ids[start:stop]))
+        before = self.text_runs[-1].future if self.text_runs else None
+        future = self.target.start_prefill(kv, start, list(self.token_ids[start:stop]), before)
         run = _TextRun(first, end, future, time.perf_counter(), predicted)
         future.add_done_callback(lambda _: setattr(run, "finished", time.perf_counter()))
         self.text_runs.append(run)
 
     def _finish_text(self, loaded: int) -> int:
-        """Wait for the text runs; returns how many tokens of the prefix hold KV: up to the first
+        """Once every text run is over: how many tokens of the prefix hold KV, up to the first
         run that did not finish (a cancelled request), else ``loaded``. A failed prefill raises."""
+        previous = 0.0  # when the run before ended: a run starts after it
         for run in self.text_runs:
             if not run.future.result():
                 return min(loaded, self.chunks[run.first].start)
             chunks = self.chunks[run.first : run.end]
             tokens = sum(c.tokens for c in chunks)
-            # the done-callback may not have run yet when ``result`` returns: it is about now then
-            seconds = (run.finished or time.perf_counter()) - run.submitted
+            seconds = run.finished - max(run.submitted, previous)
+            previous = run.finished
             self.loader.profile.observe_prefill(tokens, chunks[0].start, seconds)
             for k, chunk in enumerate(chunks):
                 share = _ms(seconds * chunk.tokens / tokens)
@@ -509,6 +543,25 @@ class _LoadRun:
                     gate_ms=_ms(gate) if k == 0 else 0.0,
                 )
             )
+
+
+def _when_all(futures: list[Future[Any]], then: Callable[[], None]) -> None:
+    """Call ``then`` once every future is done: now if they are, else on the thread that ends the
+    last of them."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    if not futures:
+        then()
+    for future in futures:
+        future.add_done_callback(one_done)
 
 
 def _ms(seconds: float) -> float:

@@ -18,10 +18,14 @@ class KVTarget(Protocol):
 
     def new_kv(self, tokens: int) -> torch.Tensor: ...
 
-    def start_prefill(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> Future[bool]:
+    def start_prefill(
+        self, kv: torch.Tensor, start: int, token_ids: list[int], after: Future[bool] | None = None
+    ) -> Future[bool]:
         """Prefill ``token_ids`` into ``kv`` after its first ``start`` tokens, without waiting:
         the future is True when it is done, False when the request was cancelled first, or
-        raises the prefill's error."""
+        raises the prefill's error. With ``after`` (an earlier prefill into ``kv``, whose KV this
+        one reads), it starts once that one is done, and is False without running when that one
+        was not True."""
         ...
 
 

@@ -24,8 +24,11 @@ decoding, made a short chat 9x slower than idle under a burst of pre-encodes
 on 2 cores: ``benchmarks/encode_fairness.py``.)
 
 Nothing but the model runs here. A generation arrives with its prefix already
-loaded (``submit``); at most ``max_num_seqs`` are running, the rest wait in
-arrival order, holding their KV memory but no batch slot. Cancellation is
+loaded (``submit``), or as a load in progress (``submit_loading``): a future
+the loop checks before every step, which gives the generation once its
+prefix is in (the loader's text chunks are prefilled here meanwhile). At most
+``max_num_seqs`` generations are running, the rest wait in the order their
+loads ended, holding their KV memory but no batch slot. Cancellation is
 checked before every step.
 """
 
@@ -73,6 +76,9 @@ class PrefillTask:
     token_ids: list[int]
     background: bool
     cancel: threading.Event | None
+    # another task whose KV this one reads: it starts when that one is prefilled, and is not run
+    # (its future False) when that one was not
+    after: Future[bool] | None = None
     arrived: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -124,6 +130,8 @@ class StepLoop:
         self.stats = StepStats()
         self._cond = threading.Condition()
         self._incoming: deque[Generation] = deque()  # submitted, not yet seen by the loop
+        # loads in progress: each gives its generation, or None when its request ended before
+        self._loading: list[Future[Generation | None]] = []
         self._waiting: deque[Generation] = deque()  # loaded, waiting for a batch slot
         self._running: list[Generation] = []
         self._tasks: list[PrefillTask] = []
@@ -142,6 +150,29 @@ class StepLoop:
                 raise LoopStopped("the server is shutting down")
             self._incoming.append(generation)
             self._cond.notify()
+
+    def submit_loading(self, load: Future[Generation | None]) -> None:
+        """A request whose prefix is loading: its generation runs once ``load`` gives it (None:
+        the request ended while loading, and its owner has told the client so)."""
+        with self._cond:
+            if self._stopping:
+                raise LoopStopped("the server is shutting down")
+            self._loading.append(load)
+        load.add_done_callback(self._loaded)
+
+    @property
+    def loading(self) -> int:
+        return len(self._loading)
+
+    def _loaded(self, load: Future[Generation | None]) -> None:
+        with self._cond:
+            if not self._stopping:
+                self._cond.notify()
+                return
+            if load not in self._loading:
+                return
+            self._loading.remove(load)
+        _fail_loaded(load, LoopStopped("the server is shutting down"))
 
     def prefill(
         self,
@@ -166,13 +197,16 @@ class StepLoop:
         *,
         background: bool = False,
         cancel: threading.Event | None = None,
+        after: Future[bool] | None = None,
     ) -> Future[bool]:
-        """``prefill`` without waiting: the future gives what ``prefill`` returns, or its error."""
+        """``prefill`` without waiting: the future gives what ``prefill`` returns, or its error.
+        With ``after`` (an earlier prefill of the same buffer), it starts once that one is done,
+        and gives False without running when that one did not prefill every token."""
         if not token_ids:
             done: Future[bool] = Future()
             done.set_result(True)
             return done
-        task = PrefillTask(kv, start, list(token_ids), background, cancel)
+        task = PrefillTask(kv, start, list(token_ids), background, cancel, after)
         with self._cond:
             if self._stopping:
                 raise LoopStopped("the server is shutting down")
@@ -226,6 +260,7 @@ class StepLoop:
                     break
                 self._waiting.extend(self._incoming)
                 self._incoming.clear()
+                self._take_loaded()
                 tasks = list(self._tasks)
                 calls, self._calls = list(self._calls), deque()
             for fn, future in calls:
@@ -243,13 +278,22 @@ class StepLoop:
         self._abort_all()
 
     def _has_work(self) -> bool:
-        return bool(self._incoming or self._waiting or self._running or self._tasks or self._calls)
+        loaded = any(load.done() for load in self._loading)
+        return bool(self._incoming or self._waiting or self._running or self._tasks or self._calls or loaded)
+
+    def _take_loaded(self) -> None:
+        """Under the lock: the generations whose loads are done join the queue for a batch slot."""
+        for load in [f for f in self._loading if f.done()]:
+            self._loading.remove(load)
+            generation = load.result()  # the executor resolves it with a result, never an error
+            if generation is not None:
+                self._waiting.append(generation)
 
     def _drop_cancelled(self, tasks: list[PrefillTask]) -> None:
         for gen in [g for g in (*self._waiting, *self._running) if g.cancel.is_set()]:
             gen.finish("abort")
         for task in tasks:
-            if task.cancel is not None and task.cancel.is_set():
+            if (task.cancel is not None and task.cancel.is_set()) or _predecessor_failed(task):
                 self._end_task(task)
         self._forget_done()
 
@@ -264,9 +308,9 @@ class StepLoop:
         limit = self.max_batched_tokens if decoding else max(self.max_batched_tokens, IDLE_PREFILL_TOKENS)
         budget = max(limit - len(decoding), MIN_PREFILL_TOKENS)
         prefills: list[Generation | PrefillTask] = [g for g in self._running if g.prefilling]
-        prefills += sorted((t for t in tasks if not t.background and not t.done.is_set()), key=_arrival)
+        prefills += sorted((t for t in tasks if not t.background and _ready(t)), key=_arrival)
         budget = self._fill(work, prefills, budget)
-        background = sorted((t for t in tasks if t.background and not t.done.is_set()), key=_arrival)
+        background = sorted((t for t in tasks if t.background and _ready(t)), key=_arrival)
         if not work:
             near = time.monotonic() - self._interactive_at < INTERACTIVE_NEAR_S
             self._fill(work, background, BACKGROUND_NEAR_STEP_TOKENS if near else BACKGROUND_STEP_TOKENS)
@@ -396,6 +440,7 @@ class StepLoop:
         with self._cond:
             self._waiting.extend(self._incoming)
             self._incoming.clear()
+            self._take_loaded()  # loads still in progress fail when they end: ``_loaded``
             tasks, self._tasks = list(self._tasks), []
         for gen in (*self._waiting, *self._running):
             gen.fail(exc)
@@ -403,6 +448,22 @@ class StepLoop:
             task.error = exc
             task.finish()
         self._running, self._waiting = [], deque()
+
+
+def _fail_loaded(load: Future[Generation | None], exc: BaseException) -> None:
+    generation = load.result()
+    if generation is not None:
+        generation.fail(exc)
+
+
+def _ready(task: PrefillTask) -> bool:
+    """Whether a task has tokens to prefill now: not over, and its predecessor done."""
+    return not task.done.is_set() and (task.after is None or task.after.done())
+
+
+def _predecessor_failed(task: PrefillTask) -> bool:
+    after = task.after
+    return after is not None and after.done() and (after.exception() is not None or not after.result())
 
 
 def _arrival(task: PrefillTask) -> float:

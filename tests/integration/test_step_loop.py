@@ -262,6 +262,31 @@ def test_prefill_work_is_cancelled_between_steps(runner):
     assert torch.allclose(kv, whole, atol=1e-4)
 
 
+def test_a_prefill_after_another_follows_it_and_is_skipped_when_it_stops(runner):
+    """Two runs of one buffer submitted at once (a load's text runs): the second reads the
+    first's KV, and the buffer equals one pass. A run after one that did not prefill every token
+    is not run at all."""
+    loop = StepLoop(runner, max_num_seqs=1, max_batched_tokens=16)
+    ids = chat_ids(runner, " ".join(PROMPTS))
+    half = len(ids) // 2
+    try:
+        kv = runner.new_kv(len(ids))
+        first = loop.prefill_async(kv, 0, ids[:half])
+        second = loop.prefill_async(kv, half, ids[half:], after=first)
+        assert second.result(120) is True and first.done()
+        cancel = threading.Event()
+        cancel.set()
+        stopped = loop.prefill_async(runner.new_kv(len(ids)), 0, ids[:half], cancel=cancel)
+        skipped = loop.prefill_async(runner.new_kv(len(ids)), half, ids[half:], after=stopped)
+        assert stopped.result(30) is False and skipped.result(30) is False
+    finally:
+        loop.stop()
+    assert loop.stats.prefill_tokens == len(ids)  # the skipped run prefilled nothing
+    whole = runner.new_kv(len(ids))
+    runner.forward_ragged([Segment(whole, 0, ids, "none")])
+    assert torch.allclose(kv, whole, atol=1e-4)
+
+
 def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(runner):
     loop = StepLoop(runner, max_num_seqs=4, max_batched_tokens=64)
 

@@ -53,7 +53,9 @@ class Buffer:
     def new_kv(self, tokens: int) -> torch.Tensor:
         return torch.full(GEOMETRY.chunk_shape(tokens), float("nan"))
 
-    def start_prefill(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> Future:
+    def start_prefill(
+        self, kv: torch.Tensor, start: int, token_ids: list[int], after: Future | None = None
+    ) -> Future:
         raise AssertionError("no text chunk here")
 
 
@@ -272,12 +274,16 @@ def test_a_load_holds_no_more_fetched_bytes_than_its_staging_memory(saved, batch
         def __exit__(self, *exc):
             return False
 
-    loader = PrefixLoader(counting, GEOMETRY, ImmediatePool(), CostProfile({"lossless": 1e-6}, 0.0, 1e-3, 0.0))  # type: ignore[arg-type]
+    loader = PrefixLoader(
+        counting, GEOMETRY, ImmediatePool(), CostProfile({"lossless": 1e-6}, 0.0, 1e-3, 0.0)
+    )  # type: ignore[arg-type]
     cap = loader.staging_bytes(CHUNK) if staging is None else staging
     chunk_bytes = len(store.get(chunk_key(store, contexts, tokens, 0, LOSSLESS)))
     assert 2 * chunk_bytes < loader.staging_bytes(CHUNK) < 6 * chunk_bytes  # the old rule held all 6
     result = load(counting, contexts, tokens, LOSSLESS, staging_bytes=staging, codec_gate=Gate())
-    assert result.tokens == len(tokens) and torch.equal(result.kv, expected_kv(store, contexts, tokens, LOSSLESS))
+    assert result.tokens == len(tokens) and torch.equal(
+        result.kv, expected_kv(store, contexts, tokens, LOSSLESS)
+    )
     sizes = [c.bytes for c in result.chunks]
     starts = [sum(batches[:k]) for k in range(len(batches))]  # the first chunk of each batch
     held = [fetched - sum(sizes[:start]) for fetched, start in zip(fetched_at, starts, strict=True)]

@@ -66,11 +66,16 @@ class SimulatedRunner:
     def new_kv(self, tokens: int) -> torch.Tensor:
         return torch.zeros(GEOMETRY.chunk_shape(tokens))
 
-    def start_prefill(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> Future[bool]:
+    def start_prefill(
+        self, kv: torch.Tensor, start: int, token_ids: list[int], after: Future[bool] | None = None
+    ) -> Future[bool]:
         """The recompute time passes on a thread of its own, as a model's prefill does."""
         done: Future[bool] = Future()
 
         def prefill() -> None:
+            if after is not None and not after.result():
+                done.set_result(False)
+                return
             time.sleep(RECOMPUTE_S * len(token_ids) / CHUNK)
             done.set_result(True)
 
@@ -183,7 +188,9 @@ class GatedRunner(SimulatedRunner):
         self.calls: list[tuple[int, int]] = []
         self.waited: list[bool] = []
 
-    def start_prefill(self, kv: torch.Tensor, start: int, token_ids: list[int]) -> Future[bool]:
+    def start_prefill(
+        self, kv: torch.Tensor, start: int, token_ids: list[int], after: Future[bool] | None = None
+    ) -> Future[bool]:
         done: Future[bool] = Future()
         self.calls.append((start, len(token_ids)))
         self.decoded.clear()
@@ -259,3 +266,56 @@ def test_a_failed_text_prefill_fails_the_load(monkeypatch):
     text_first(monkeypatch, runner)
     with pytest.raises(RuntimeError, match="model step failed"):
         load_with(runner, contexts, loader, tokens)
+
+
+class HeldRunner(SimulatedRunner):
+    """Its prefill ends only when the test lets it (``release``)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.decoded = threading.Event()  # set by ``text_first``'s decoder; unused here
+
+    def start_prefill(
+        self, kv: torch.Tensor, start: int, token_ids: list[int], after: Future[bool] | None = None
+    ) -> Future[bool]:
+        done: Future[bool] = Future()
+        threading.Thread(target=lambda: done.set_result(self.release.wait(30)), daemon=True).start()
+        return done
+
+
+def start_with(runner, contexts, loader, tokens) -> Future:
+    stored = find_stored_prefix(
+        contexts.store, contexts.fingerprint, CHUNK, contexts.keys(tokens), tokens, LEVELS
+    )
+    request = KVRequest(list(LEVELS), RANKS, budget_s=10.0)
+    return loader.start(runner, stored, tokens, request, len(tokens) + 1, time.perf_counter())
+
+
+def test_start_returns_with_the_store_chunks_in_and_the_text_still_prefilling(monkeypatch):
+    """The caller's thread does not wait for the text run: the future is done when it is."""
+    _, contexts, loader, tokens = setup(rate_bps=1e9)
+    runner = HeldRunner()
+    text_first(monkeypatch, runner)
+    future = start_with(runner, contexts, loader, tokens)
+    assert not future.done()
+    runner.release.set()
+    result = future.result(10)
+    assert sources(result) == [TEXT, TEXT] + ["medium"] * 10 and result.tokens == 12 * CHUNK
+
+
+def test_a_load_that_fails_with_a_text_run_in_flight_raises_only_when_the_run_is_over(monkeypatch):
+    """The run writes into the request's buffer: the caller, which frees it on an error, hears
+    of the error only once nothing writes there any more."""
+    _, contexts, loader, tokens = setup(rate_bps=1e9)
+    runner = HeldRunner()
+    text_first(monkeypatch, runner)
+
+    def broken(batch, out):
+        raise RuntimeError("the decoder broke")
+
+    monkeypatch.setattr(loader_module, "decode_into", broken)
+    future = start_with(runner, contexts, loader, tokens)
+    assert not future.done()
+    runner.release.set()
+    with pytest.raises(RuntimeError, match="decoder broke"):
+        future.result(10)
