@@ -9,11 +9,11 @@ from codec import rans
 from codec.entropy_model import FAMILIES, bank
 
 
-def _streams(seed: int, n_streams: int = 3, tokens: int = 40, cps: int = 4):
+def _streams(seed: int, n_streams: int = 3, tokens: int = 40, cps: int = 4, scale: float = 3.0):
     rng = np.random.default_rng(seed)
     b = bank()
     family = rng.integers(0, FAMILIES, n_streams * cps).astype(np.uint8)
-    r = np.rint(rng.laplace(0, 3, (n_streams, tokens, cps))).astype(np.int64)
+    r = np.rint(rng.laplace(0, scale, (n_streams, tokens, cps))).astype(np.int64)
     r[0, 5, 1] = 4000  # escapes
     r[-1, -1, -1] = -32768
     sym = np.where(np.abs(r) <= rans.BIAS, r + rans.BIAS, rans.ESCAPE)
@@ -98,10 +98,17 @@ def test_coded_size_is_within_3_percent_of_the_model_entropy() -> None:
     assert coded <= 1.03 * ideal
 
 
-def _nine_streams():
+# residual spreads whose streams the decoder finds dense (over 1 bit a value: it renormalises
+# without a branch) and sparse (with one)
+DENSE, SPARSE = 3.0, 0.15
+
+
+def _nine_streams(scale: float = DENSE):
     """Nine streams: two groups that the decoder takes four at a time, and one alone; escapes in
     both groups and in the last stream."""
-    b, family, sym, esc, tokens, cps = _streams(7, n_streams=9, tokens=33, cps=5)
+    b, family, sym, esc, tokens, cps = _streams(7, n_streams=9, tokens=33, cps=5, scale=scale)
+    if scale == SPARSE:  # the families that expect it: each channel's most peaked one
+        family[:] = int(np.argmax(b.freq[:, rans.BIAS]))
     for s, t, c, value in ((5, 7, 2, -1234), (2, 3, 4, 999), (7, 30, 0, -200)):  # every lane of a group
         sym[s, t, c], esc[s, t, c] = rans.ESCAPE, value
     fast, lengths = _encode(rans.encode_streams, b, family, _by_channel(sym), _by_channel(esc), tokens, cps)
@@ -123,8 +130,18 @@ def _alone(b, family, out, lengths, tokens, cps, s, centers):
     )
 
 
-def test_streams_decoded_four_at_a_time_match_each_decoded_alone() -> None:
-    b, family, out, lengths, tokens, cps = _nine_streams()
+def _bits_per_value(lengths: np.ndarray, tokens: int, cps: int) -> float:
+    return 16 * float(lengths.sum()) / (len(lengths) * tokens * cps)
+
+
+def test_the_two_spreads_fall_on_either_side_of_the_decoders_line() -> None:
+    assert _bits_per_value(*_nine_streams(DENSE)[3:6]) > 1.5
+    assert _bits_per_value(*_nine_streams(SPARSE)[3:6]) < 0.9
+
+
+@pytest.mark.parametrize("scale", [DENSE, SPARSE])
+def test_streams_decoded_four_at_a_time_match_each_decoded_alone(scale: float) -> None:
+    b, family, out, lengths, tokens, cps = _nine_streams(scale)
     centers = np.arange(9 * cps, dtype=np.int32) - 20
     together, status = _decode(rans.decode_streams, b, family, out, lengths, tokens, cps, 9, centers)
     assert not status.any()
@@ -133,21 +150,24 @@ def test_streams_decoded_four_at_a_time_match_each_decoded_alone() -> None:
         assert not alone_status.any()
         assert np.array_equal(together[s], alone[0]), s
     assert together[5, 7, 2] == -1234 + centers[5 * cps + 2]  # the escape inside a group of four
-    # the lockstep path itself decodes both groups (it is not the one-by-one fallback that did)
+    # the lockstep path itself decodes both groups, renormalising either way (it is not the
+    # one-by-one fallback that did)
     words = np.concatenate([out[s, : lengths[s]] for s in range(9)])
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     for first in (0, 4):
-        lockstep = np.zeros_like(together)
-        steps = np.ones(9 * cps, dtype=np.float32)
-        args = (family.astype(np.int32), centers, steps, b.freq_cum, b.slot_symbol, tokens, cps, 1)
-        assert rans._decode_four(words, offsets, first, *args, lockstep)
-        assert np.array_equal(lockstep[first : first + 4], together[first : first + 4])
+        for branchless in (False, True):
+            lockstep = np.zeros_like(together)
+            steps = np.ones(9 * cps, dtype=np.float32)
+            args = (family.astype(np.int32), centers, steps, b.freq_cum, b.slot_symbol, tokens, cps, 1)
+            assert rans._decode_four(words, offsets, first, *args, lockstep, branchless)
+            assert np.array_equal(lockstep[first : first + 4], together[first : first + 4])
 
 
+@pytest.mark.parametrize("scale", [DENSE, SPARSE])
 @pytest.mark.parametrize("broken", [0, 6, 8])
-def test_a_corrupt_stream_in_a_group_of_four_is_reported_alone(broken: int) -> None:
+def test_a_corrupt_stream_in_a_group_of_four_is_reported_alone(broken: int, scale: float) -> None:
     """A stream cut short inside a group is marked, as it would be alone; its neighbours decode."""
-    b, family, out, lengths, tokens, cps = _nine_streams()
+    b, family, out, lengths, tokens, cps = _nine_streams(scale)
     centers = np.zeros(9 * cps, dtype=np.int32)
     clean, _ = _decode(rans.decode_streams, b, family, out, lengths, tokens, cps, 9, centers)
     short = lengths.copy()
