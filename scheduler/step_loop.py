@@ -160,10 +160,6 @@ class StepLoop:
             self._loading.append(load)
         load.add_done_callback(self._loaded)
 
-    @property
-    def loading(self) -> int:
-        return len(self._loading)
-
     def _loaded(self, load: Future[Generation | None]) -> None:
         with self._cond:
             if not self._stopping:
