@@ -1,11 +1,9 @@
-"""The C allocator's settings for a long-running server, so that freed memory goes back to the OS.
+"""The C allocator's settings for a long-running server: bounded arenas, and no page faults per step.
 
 torch's CPU tensors come from glibc's malloc. glibc's defaults suit short programs:
 - every thread that allocates gets an arena of its own (up to 8 per core), and each arena keeps
   what its thread freed for that thread's next allocation;
-- the mmap threshold rises each time a large block is freed, up to 32 MiB. After that, a KV buffer,
-  a decoded chunk or a prefill's activations of a few MiB come from an arena, not from a mapping
-  of their own that ``free`` would unmap.
+- the mmap threshold rises each time a large block is freed, up to 32 MiB.
 
 The gateway allocates on many threads: the model thread, prepare and encode pools, and S3 I/O.
 Under 32 clients, its RSS therefore grew by what the arenas held on top of the KV budget
@@ -13,9 +11,20 @@ Under 32 clients, its RSS therefore grew by what the arenas held on top of the K
 
 ``tune()`` sets, through ``mallopt`` and before the server's threads exist:
 - ``M_ARENA_MAX`` 2: threads share two arenas;
-- ``M_MMAP_THRESHOLD`` 1 MiB: a fixed value also turns the rise off, so every block of 1 MiB or more
-  is a mapping of its own, returned when freed;
-- ``M_TRIM_THRESHOLD`` 32 MiB: the main heap gives back free memory at its top beyond that.
+- ``M_MMAP_THRESHOLD`` 32 MiB (glibc's largest): a fixed value also turns the rise off. A block
+  under it comes from an arena, and a freed one is reused, already resident;
+- ``M_TRIM_THRESHOLD`` 64 MiB: an arena gives back the free memory at its top beyond that.
+
+The mmap threshold was 1 MiB until the KV buffers moved to their own region (``engine/kv_pool.py``):
+every block of 1 MiB or more was then a mapping of its own, unmapped when freed. A model step's
+activations are such blocks, so every prefill step mapped them afresh and faulted their pages in
+one by one: about 37,000 faults (150 MB) for a 256-token step. On the 2-core test machine that
+step took 1.1-1.2 s instead of 0.41 s while a load ran beside it (the faults then cost 0.9 s of
+kernel time), and a cold 3.8K-token prompt took 8.5-11.7 s instead of 5.2-5.8 s
+(``benchmarks/vs_vllm.py --skip-vllm``, two alternating runs each:
+``benchmarks/results/vs_vllm_skip_malloc_*.json``). What the arenas now keep is
+bounded by the trim threshold: in the unit test's probe, 16 threads that allocate and free 3 MiB
+blocks leave 181-276 MiB resident, against 817-979 MiB with glibc's defaults.
 
 Setting ``CACHEGEN_MALLOC_TUNING=false`` keeps glibc's defaults. Other C libraries (musl, macOS)
 are left alone.
@@ -34,7 +43,7 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 
-SETTINGS = ((M_ARENA_MAX, 2), (M_MMAP_THRESHOLD, 1 << 20), (M_TRIM_THRESHOLD, 32 << 20))
+SETTINGS = ((M_ARENA_MAX, 2), (M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 64 << 20))
 
 
 def _glibc() -> ctypes.CDLL | None:

@@ -97,7 +97,7 @@ class Settings(BaseSettings):
     )
     store_threads: int = Field(8, ge=1, le=256, description="parallel chunk fetches and uploads")
     malloc_tuning: bool = Field(
-        True, description="glibc: 2 arenas, 1 MiB mmap threshold, 32 MiB trim (app/allocator.py)"
+        True, description="glibc: 2 arenas, 32 MiB mmap threshold, 64 MiB trim (app/allocator.py)"
     )
     chunk_size: int = Field(256, ge=16, le=65536, description="tokens per stored KV chunk")
     levels_file: Path | None = Field(None, description="JSON level table (see `python -m app calibrate`)")

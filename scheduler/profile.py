@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 # 5: the rANS decoder takes four streams at a time, and the inverse transform multiplies in bf16 on
 #    a CPU with native bf16: decodes are 1.5-1.9x faster than what profiles of 4 timed
 # 6: dense streams renormalise without a branch: format 4's decodes are up to 1.3x faster
-PROFILE_VERSION = 6
+# 7: a step's activations no longer fault their pages in every step (app/allocator.py): prefill
+#    is up to 1.6x faster than what profiles of 6 timed
+PROFILE_VERSION = 7
 _EWMA = 0.2  # weight of the newest measurement
 # A fetch's receive is an overhead per object and a cost per byte. A local read costs about 1 ms of
 # CPU whatever its size: 80-130 KB chunk tails read as 9e-9 s/byte, 11.8 MB raw chunks as 3e-10

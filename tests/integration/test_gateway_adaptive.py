@@ -102,12 +102,17 @@ def test_tight_budget_at_a_low_rate_is_met_by_mixing_levels_and_text(gateway, li
     assert info["budget_ms"] == pytest.approx(budget * 1000, abs=0.01)
     assert info["planned_ms"] <= info["budget_ms"], (info["planned_ms"], used, timings)
     assert len(set(used)) >= 2 or set(used) == {"low"}, used
-    assert "lossless" not in used and info["bandwidth_mbps"] < 40
+    # a raw 256-token chunk (11.8 MB) takes 4.7 s of this link: no budget here has room for one;
+    # the 20-token tail raw (0.9 MB) fits when text chunks leave time over
+    assert all(c["level"] != "lossless" for c in info["chunks"] if c["tokens"] == 256), used
+    assert info["bandwidth_mbps"] < 40
     assert info["slo_met"] == (info["prompt_ms"] <= info["budget_ms"])
     # The plan is met on a quiet machine (0.8-0.9x the budget in 8 runs alone). A busy one slows
     # the text chunks' prefill most: in 3 of 5 full CI runs this request took 1.23-1.32x the
     # budget, and with one other process spinning a core, text chunks took 3-5x their planned
-    # time. The plan is checked above; its time is held to a loose bound, for gross mistakes.
+    # time. The plan is checked above; its time is held to a loose bound, for gross mistakes: one
+    # was caught here, text chunks at 2.1-2.3x the budget while every step faulted its
+    # activations' pages in again (app/allocator.py).
     assert prompt_seconds(info) <= 1.6 * budget, (prompt_seconds(info), budget, used, timings)
 
 
