@@ -9,11 +9,9 @@ A request cancelled while it waits ends at once and lets the next one in.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
@@ -22,36 +20,15 @@ from engine import ModelRunner, load_model
 from engine.sampling import SamplingParams
 from scheduler.executor import RequestExecutor, RequestState
 from scheduler.flag import Flag
-from scheduler.generation import Finished, GenerationJob, TokenEvent
+from scheduler.generation import GenerationJob
 from scheduler.kv_memory import KVMemory
 from scheduler.step_loop import StepLoop
+from tests.support.events import Collected
 
 pytestmark = pytest.mark.slow
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 MAX_TOKENS = 64  # a few seconds of decoding: the waits below happen inside it
-
-
-@dataclass
-class Collected:
-    events: list = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def emit(self, event) -> None:
-        self.events.append(event)
-        if isinstance(event, Finished | BaseException):
-            self.done.set()
-
-    @property
-    def reason(self) -> str:
-        assert self.done.is_set(), "the request has not ended"
-        last = self.events[-1]
-        assert isinstance(last, Finished), f"the request failed: {last!r}"
-        return last.reason
-
-    @property
-    def tokens(self) -> int:
-        return sum(isinstance(e, TokenEvent) for e in self.events)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +87,7 @@ def test_requests_waiting_for_memory_hold_no_thread(executor):
     assert executor.pool.submit(lambda: "free").result(timeout=5) == "free"
     for out in (first, *waiting):
         assert out.done.wait(120)
-        assert out.reason == "length" and out.tokens == MAX_TOKENS
+        assert out.reason == "length" and len(out.tokens) == MAX_TOKENS
     until(lambda: all(executor.count(state) == 0 for state in RequestState))
     assert executor.memory.used == 0 and executor.memory.waiting == 0
 
@@ -123,7 +100,7 @@ def test_a_request_cancelled_while_waiting_ends_at_once_and_lets_the_next_in(exe
     behind = start(executor)
     until(lambda: executor.memory.waiting == 2)
     cancel.set()
-    assert doomed.done.wait(2) and doomed.reason == "abort" and doomed.tokens == 0
+    assert doomed.done.wait(2) and doomed.reason == "abort" and not doomed.tokens
     assert executor.memory.waiting == 1 and not first.done.is_set()
     assert first.done.wait(120) and behind.done.wait(120)
     assert first.reason == behind.reason == "length"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch
 from engine import ModelRunner, load_model
 from engine.ragged import Segment
 from engine.sampling import SamplingParams
-from scheduler.generation import Finished, Generation, GenerationJob, PrefixReport, PromptDone, TokenEvent
+from scheduler.generation import Generation, GenerationJob, PrefixReport, PromptDone, TokenEvent
 from scheduler.kv_memory import KVMemory
 from scheduler.step_loop import (
     BACKGROUND_NEAR_STEP_TOKENS,
@@ -28,6 +27,7 @@ from scheduler.step_loop import (
     MIN_PREFILL_TOKENS,
     StepLoop,
 )
+from tests.support.events import Collected
 
 pytestmark = pytest.mark.slow
 
@@ -47,29 +47,6 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def runner(model_dir) -> ModelRunner:
     return ModelRunner(load_model(str(model_dir)))
-
-
-@dataclass
-class Collected:
-    events: list = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def emit(self, event) -> None:
-        self.events.append(event)
-        if isinstance(event, Finished | BaseException):
-            self.done.set()
-
-    @property
-    def tokens(self) -> list[int]:
-        return [e.token_id for e in self.events if isinstance(e, TokenEvent)]
-
-    @property
-    def logprobs(self) -> list[float]:
-        return [e.logprob.logprob for e in self.events if isinstance(e, TokenEvent)]
-
-    @property
-    def finished(self) -> Finished:
-        return next(e for e in self.events if isinstance(e, Finished))
 
 
 def chat_ids(runner: ModelRunner, text: str) -> list[int]:
