@@ -113,6 +113,9 @@ class _Request:
     arrived: float = field(default_factory=time.perf_counter)
     state: RequestState | None = None
     hit: Hit | None = None
+    # KV memory granted after a wait (the whole request's), not yet given to a buffer: the next
+    # ``_admit`` keeps what its plan needs and releases the rest
+    credit: int = 0
     buffer: _Buffer | None = None
     keys: list[str] = field(default_factory=list)
     admitted: bool = False  # ``_admit`` ran (the sibling's flag and the cancel flag may both call it)
@@ -164,7 +167,14 @@ class RequestExecutor:
         """Look the prompt up in memory and ask for the request's KV memory. An unused cached
         buffer with room for the whole request is taken over; otherwise a hit from memory alone is
         shared, and the new buffer holds only the tokens after it; otherwise the buffer holds the
-        whole request."""
+        whole request.
+
+        A request whose memory is not there at once waits for it holding no hit. A hit is pinned,
+        and the cache cannot free a pinned run: had waiters kept their hits, cached KV that they
+        pinned could fill the budget with nothing left to free it, and every one of them would
+        wait for ever (32 clients on 8 stored contexts did). So it unpins, waits for the memory of
+        its whole request, and when that is granted, is admitted again: it looks the prompt up
+        anew and releases what its plan then does not need."""
         if request.cancel.is_set():
             self._abort(request)
             return
@@ -177,7 +187,7 @@ class RequestExecutor:
             shared = tuple(parts(attached.parent, attached.offset)) if attached.parent is not None else ()
             # nothing waits holding the taken buffer: without the staging memory the load fetches
             # one chunk at a time
-            staging = staging if staging and self.memory.try_reserve(staging) else 0
+            staging = staging if self._reserve_now(request, staging) else 0
             request.buffer = _Buffer(
                 attached.kv, attached.kv.shape[3], attached.nbytes, shared, attached=attached, staging=staging
             )
@@ -189,13 +199,39 @@ class RequestExecutor:
         nbytes = self.runner.kv_bytes(tokens)
         staging = max(0, min(staging, self.memory.budget - nbytes))  # never what makes a request too large
         buffer = request.buffer = _Buffer(None, tokens, nbytes, shared, reading=reading)
+        if self._reserve_now(request, nbytes + staging):
+            buffer.reserved, buffer.staging = True, staging
+            self._granted(request)
+            return
+        request.buffer = None
+        self._unpin(hit)
+        request.hit = None
+        whole = self._whole_bytes(job)
 
         def granted(answer: Future[bool]) -> None:  # on the thread that frees the memory
-            if answer.result():
-                buffer.reserved, buffer.staging = True, staging
-            self._submit(request, self._granted)
+            if not answer.result():  # cancelled while it waited: nothing is held
+                self._submit(request, self._abort)
+                return
+            request.credit = whole
+            self._submit(request, self._admit)
 
-        self.memory.reserve_async(nbytes + staging, request.cancel).add_done_callback(granted)
+        self.memory.reserve_async(whole, request.cancel).add_done_callback(granted)
+
+    def _reserve_now(self, request: _Request, nbytes: int) -> bool:
+        """Reserve ``nbytes`` without waiting: out of the request's credit (the rest is released;
+        the whole request's memory covers any plan), or when they fit now and nobody waits first."""
+        if request.credit:
+            credit, request.credit = request.credit, 0
+            if nbytes <= credit:
+                self.memory.release(credit - nbytes)
+                return True
+            self.memory.release(credit)
+        return nbytes == 0 or self.memory.try_reserve(nbytes)
+
+    def _whole_bytes(self, job: GenerationJob) -> int:
+        """The most KV memory any plan of ``job`` needs: a buffer for all of it, and a load's staging."""
+        nbytes = self.kv_bytes(job)
+        return nbytes + max(0, min(self._staging_bytes(job, False), self.memory.budget - nbytes))
 
     def _granted(self, request: _Request) -> None:
         buffer = request.buffer
@@ -304,6 +340,8 @@ class RequestExecutor:
         if request.handed or request.state is RequestState.FINISHED:
             return
         buffer, request.buffer = request.buffer, None
+        self.memory.release(request.credit)
+        request.credit = 0
         if buffer is not None:
             self.memory.release(buffer.staging)
             if buffer.attached is not None and self.cache is not None:

@@ -155,3 +155,28 @@ def test_cached_buffers_are_evicted_for_new_requests_and_the_pool_never_overcomm
         assert metric(url, "", "cachegen:kv_memory_used_bytes") <= budget
     assert metric(url, "", "cachegen:memory_prefix_cache_evicted_runs") >= 2
     assert 0 < metric(url, "", "cachegen:memory_prefix_cache_bytes") <= budget
+
+
+def test_a_request_waiting_for_memory_that_only_its_own_hit_holds_is_served(small_gateway):
+    """The budget holds 1,350 tokens. A finishes with 704 prompt tokens and room for 100 more,
+    so its cached buffer holds 804 tokens' memory. B continues A's prompt and asks for room for
+    600: too large to take A's buffer over, so it would share A's tokens and need 608 tokens of
+    its own, where only 546 are free. Only A's cached buffer could make room, and B's hit on it
+    pinned it: B waited for ever. A waiting request now holds no hit, so A's buffer is freed and
+    B is served from a buffer of its own."""
+    url = small_gateway.url
+    budget = metric(url, "", "cachegen:kv_memory_budget_bytes")
+    ids = [100 + (i * 7919) % 40000 for i in range(712)]  # a prompt of its own: no other run holds it
+
+    def complete(prompt: list[int], max_tokens: int) -> dict:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        # a stop string ends both early; the memory reserved is still prompt + max_tokens
+        r = httpx.post(f"{url}/v1/completions", json={**body, "stop": [" ", ".", "\n"]}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    complete(ids[:704], 100)
+    b = complete(ids, 600)
+    assert b["usage"]["prompt_tokens"] == 712 and b["choices"][0]["finish_reason"] in ("stop", "length")
+    assert metric(url, "", "cachegen:kv_memory_used_bytes") <= budget
+    assert metric(url, "", "cachegen:num_requests_waiting") == 0
