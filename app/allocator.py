@@ -1,4 +1,4 @@
-"""The C allocator's settings for a long-running server: bounded arenas, and no page faults per step.
+"""The C allocator's settings for a long-running server: bounded arenas, and activations reused, not faulted in.
 
 torch's CPU tensors come from glibc's malloc. glibc's defaults suit short programs:
 - every thread that allocates gets an arena of its own (up to 8 per core), and each arena keeps
@@ -22,8 +22,8 @@ one by one: about 37,000 faults (150 MB) for a 256-token step. On the 2-core tes
 step took 1.1-1.2 s instead of 0.41 s while a load ran beside it (the faults then cost 0.9 s of
 kernel time), and a cold 3.8K-token prompt took 8.5-11.7 s instead of 5.2-5.8 s
 (``benchmarks/vs_vllm.py --skip-vllm``, two alternating runs each:
-``benchmarks/results/vs_vllm_skip_malloc_*.json``). What the arenas now keep is
-bounded by the trim threshold: in the unit test's probe, 16 threads that allocate and free 3 MiB
+``benchmarks/results/vs_vllm_skip_malloc_*.json``). An arena gives back the free memory at its
+top beyond the trim threshold: in the unit test's probe, 16 threads that allocate and free 3 MiB
 blocks leave 181-276 MiB resident, against 817-979 MiB with glibc's defaults.
 
 Setting ``CACHEGEN_MALLOC_TUNING=false`` keeps glibc's defaults. Other C libraries (musl, macOS)

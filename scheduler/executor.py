@@ -5,10 +5,12 @@ for its sibling's prompt when it is one of ``n`` choices), **loading** (its
 prefix from memory or the store), then **running** on the step loop (which
 queues it for a batch slot), and **finished**. No thread waits on its behalf:
 
-1. ``start`` (on the caller's thread; it never blocks) asks the prefix cache
-   for KV already in memory and reserves the request's KV memory
-   (``prompt + max_tokens`` tokens, and the fetched chunks a load from the
-   store may hold until it is done) as a future, ``KVMemory.reserve_async``.
+1. ``start`` (on the caller's thread; it never blocks) hands the request to
+   a prepare thread, which asks the prefix cache for KV already in memory and
+   reserves the request's KV memory (``prompt + max_tokens`` tokens, less a
+   hit it shares, and the fetched chunks a load from the store may hold until
+   it is done). What does not fit at once is waited for as a future
+   (``KVMemory.reserve_async``), with the hit given back meanwhile (``_admit``).
    A choice that follows its sibling's prompt (``job.after``) does this when
    the sibling's prompt is in memory;
 2. once the memory is granted, a prepare thread loads the prefix into the
@@ -113,12 +115,12 @@ class _Request:
     arrived: float = field(default_factory=time.perf_counter)
     state: RequestState | None = None
     hit: Hit | None = None
-    # KV memory granted after a wait (the whole request's), not yet given to a buffer: the next
-    # ``_admit`` keeps what its plan needs and releases the rest
+    # KV memory granted after a wait, not yet given to a buffer: the next ``_admit`` keeps what
+    # its plan needs and releases the rest
     credit: int = 0
+    waited: bool = False  # it has waited for memory once: a second wait is for the whole request
     buffer: _Buffer | None = None
     keys: list[str] = field(default_factory=list)
-    admitted: bool = False  # ``_admit`` ran (the sibling's flag and the cancel flag may both call it)
     handed: bool = False  # a generation owns its memory from now on
 
 
@@ -172,9 +174,10 @@ class RequestExecutor:
         A request whose memory is not there at once waits for it holding no hit. A hit is pinned,
         and the cache cannot free a pinned run: had waiters kept their hits, cached KV that they
         pinned could fill the budget with nothing left to free it, and every one of them would
-        wait for ever (32 clients on 8 stored contexts did). So it unpins, waits for the memory of
-        its whole request, and when that is granted, is admitted again: it looks the prompt up
-        anew and releases what its plan then does not need."""
+        wait for ever (32 clients on 8 stored contexts did). So it unpins and waits for what its
+        plan needs. Once that is granted it is admitted again: it looks the prompt up anew and
+        keeps what the new plan needs. If the hit was evicted meanwhile and the plan needs more,
+        it waits once more, for its whole request's memory, which any plan fits."""
         if request.cancel.is_set():
             self._abort(request)
             return
@@ -206,20 +209,23 @@ class RequestExecutor:
         request.buffer = None
         self._unpin(hit)
         request.hit = None
-        whole = self._whole_bytes(job)
+        # first for what this plan needs; if the hit is gone by then, for the whole request
+        wanted = self._whole_bytes(job) if request.waited else nbytes + staging
+        request.waited = True
 
-        def granted(answer: Future[bool]) -> None:  # on the thread that frees the memory
+        def granted(answer: Future[bool]) -> None:  # where the memory came free, or the cancel
             if not answer.result():  # cancelled while it waited: nothing is held
                 self._submit(request, self._abort)
                 return
-            request.credit = whole
+            request.credit = wanted
             self._submit(request, self._admit)
 
-        self.memory.reserve_async(whole, request.cancel).add_done_callback(granted)
+        self.memory.reserve_async(wanted, request.cancel).add_done_callback(granted)
 
     def _reserve_now(self, request: _Request, nbytes: int) -> bool:
-        """Reserve ``nbytes`` without waiting: out of the request's credit (the rest is released;
-        the whole request's memory covers any plan), or when they fit now and nobody waits first."""
+        """Reserve ``nbytes`` without waiting: out of the request's credit when it covers them (the
+        rest is released; a credit too small is released whole), else when they fit now and nobody
+        waits first."""
         if request.credit:
             credit, request.credit = request.credit, 0
             if nbytes <= credit:

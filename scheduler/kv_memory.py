@@ -18,7 +18,9 @@ memory outside the budget.
 
 Finished requests' buffers may stay reserved as cached KV
 (``scheduler/prefix_cache.py``): ``reclaim`` is asked to free some of them
-before a reservation waits, so cached KV never makes a request wait. Every
+before a reservation waits, so cached KV that nobody reads never makes a
+request wait (a run that a request reads, pinned, stays until that request
+lets go; a request that waits holds no pin: ``RequestExecutor._admit``). Every
 change to the cache that could free memory ends in a ``release`` call (of 0
 bytes, if need be), so the queue is looked at again whenever memory might fit.
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -159,11 +160,11 @@ def test_cached_buffers_are_evicted_for_new_requests_and_the_pool_never_overcomm
 
 def test_a_request_waiting_for_memory_that_only_its_own_hit_holds_is_served(small_gateway):
     """The budget holds 1,350 tokens. A finishes with 704 prompt tokens and room for 100 more,
-    so its cached buffer holds 804 tokens' memory. B continues A's prompt and asks for room for
-    600: too large to take A's buffer over, so it would share A's tokens and need 608 tokens of
-    its own, where only 546 are free. Only A's cached buffer could make room, and B's hit on it
-    pinned it: B waited for ever. A waiting request now holds no hit, so A's buffer is freed and
-    B is served from a buffer of its own."""
+    so its cached buffer holds 816 tokens' memory (whole 16-token blocks). B continues A's
+    prompt and asks for room for 600: too large to take A's buffer over, so it would share A's
+    704 tokens and need 608 of its own, where at most 534 are free. Only A's cached buffer could
+    make room, and B's hit on it pinned it: B waited for ever. A waiting request now holds no
+    hit, so A's buffer is evicted and B is served from a buffer of its own."""
     url = small_gateway.url
     budget = metric(url, "", "cachegen:kv_memory_budget_bytes")
     ids = [100 + (i * 7919) % 40000 for i in range(712)]  # a prompt of its own: no other run holds it
@@ -176,7 +177,14 @@ def test_a_request_waiting_for_memory_that_only_its_own_hit_holds_is_served(smal
         return r.json()
 
     complete(ids[:704], 100)
+    # the situation above: A's buffer is in the cache (it is handed over just after A's
+    # response), and B would hit it
+    deadline = time.monotonic() + 10
+    while metric(url, "", "cachegen:memory_prefix_cache_bytes") < 816 * 46080:
+        assert time.monotonic() < deadline, "A's buffer never reached the cache"
+        time.sleep(0.05)
     b = complete(ids, 600)
     assert b["usage"]["prompt_tokens"] == 712 and b["choices"][0]["finish_reason"] in ("stop", "length")
+    assert b["kv_cache_info"]["memory_tokens"] == 0  # A's buffer made way
     assert metric(url, "", "cachegen:kv_memory_used_bytes") <= budget
     assert metric(url, "", "cachegen:num_requests_waiting") == 0
