@@ -267,7 +267,7 @@ def gateway_stored_concurrency(model: Path, dtype: str, root: Path, concurrent: 
             return (await stream_chat(client, g.url, context_messages(text, QUESTIONS[0]), 8))[0]
 
         async def run() -> tuple[float, list[float]]:
-            # one client for all: creating one takes ~18 ms of this process's loop (its TLS
+            # one client for all: creating one takes 20-30 ms of this process's loop (its TLS
             # context), which a request already sent would wait for, and count as TTFT
             async with httpx.AsyncClient() as client:
                 await ask(client, texts[0])  # warm-up
