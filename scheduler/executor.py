@@ -41,13 +41,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from engine import ModelRunner
 from scheduler.contexts import ContextStore
 from scheduler.flag import Flag, when_set
+from scheduler.futures import done, once, then
 from scheduler.generation import Finished, Generation, GenerationJob, PrefixReport
 from scheduler.kv_memory import KVMemory
 from scheduler.loader import PrefixLoader
@@ -58,8 +59,6 @@ from scheduler.stored import StoredPrefix, find_stored_prefix
 from scheduler.write_back import WriteBack
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-U = TypeVar("U")
 
 
 class RequestState(enum.Enum):
@@ -159,7 +158,7 @@ class RequestExecutor:
             return
         if not isinstance(after, Flag):
             raise TypeError("a choice that follows its sibling waits on a scheduler.flag.Flag")
-        admit = _once(lambda: self._submit(request, self._admit))  # the sibling's prompt, or a cancel
+        admit = once(lambda: self._submit(request, self._admit))  # the sibling's prompt, or a cancel
         after.add_callback(admit)
         when_set(cancel, admit)
 
@@ -264,7 +263,7 @@ class RequestExecutor:
         except BaseException:
             pending.set_result(None)
             raise
-        loading.add_done_callback(lambda done: self._loaded(request, done, pending))
+        loading.add_done_callback(lambda loaded: self._loaded(request, loaded, pending))
 
     def _loaded(
         self, request: _Request, loading: Future[PrefixLoad], pending: Future[Generation | None]
@@ -437,9 +436,9 @@ class RequestExecutor:
         hit, buffer = request.hit, request.buffer
         assert buffer is not None
         if job.kv is None:
-            return _done(PrefixLoad(kv=None))
+            return done(PrefixLoad(kv=None))
         if hit is not None and self._memory_suffices(job, hit):
-            return _done(self._from_memory(hit, target.kv, buffer.in_place))
+            return done(self._from_memory(hit, target.kv, buffer.in_place))
         loading = self._load_stored(job, keys, target, request.cancel, buffer.staging)
         if hit is None:
             return loading
@@ -451,7 +450,7 @@ class RequestExecutor:
             memory.faults = load.faults
             return memory
 
-        return _then(loading, over_memory)
+        return then(loading, over_memory)
 
     def _from_memory(self, hit: Hit, kv: torch.Tensor, in_place: bool) -> PrefixLoad:
         if not in_place:  # a chain too long to share, or the store's chunks came first
@@ -487,7 +486,7 @@ class RequestExecutor:
                 kv_request.levels,
             )
         if not stored.chunks:
-            return _done(PrefixLoad(kv=None, faults=stored.faults))
+            return done(PrefixLoad(kv=None, faults=stored.faults))
         loading = self.loader.start(
             target,
             stored,
@@ -516,7 +515,7 @@ class RequestExecutor:
             load.store_key = keys[0] if used else None
             return load
 
-        return _then(loading, described)
+        return then(loading, described)
 
     def _prefilled(
         self,
@@ -578,41 +577,6 @@ class RequestExecutor:
             ids = None if failed else generation.computed_ids
             self.memory.release(self.cache.release(runs[0], ids, generation.job.key_space))
         self._unpin(reading)
-
-
-def _done(value: T) -> Future[T]:
-    future: Future[T] = Future()
-    future.set_result(value)
-    return future
-
-
-def _then(future: Future[T], fn: Callable[[T], U]) -> Future[U]:
-    """A future of ``fn`` of ``future``'s result (``fn`` runs on the thread that completes it)."""
-    out: Future[U] = Future()
-
-    def chained(done: Future[T]) -> None:
-        try:
-            out.set_result(fn(done.result()))
-        except BaseException as exc:  # noqa: BLE001 - carried by the future
-            out.set_exception(exc)
-
-    future.add_done_callback(chained)
-    return out
-
-
-def _once(fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn``, run by the first call only (any thread)."""
-    lock = threading.Lock()
-    called = [False]
-
-    def call() -> None:
-        with lock:
-            if called[0]:
-                return
-            called[0] = True
-        fn()
-
-    return call
 
 
 def _worst_distortion(request: KVRequest) -> float:

@@ -48,6 +48,7 @@ import torch
 from engine import ModelRunner
 from engine.ragged import Segment
 from engine.sampling import sample_batch
+from scheduler.futures import done
 from scheduler.generation import Generation
 
 log = logging.getLogger(__name__)
@@ -199,9 +200,7 @@ class StepLoop:
         With ``after`` (an earlier prefill of the same buffer), it starts once that one is done,
         and gives False without running when that one did not prefill every token."""
         if not token_ids:
-            done: Future[bool] = Future()
-            done.set_result(True)
-            return done
+            return done(True)
         task = PrefillTask(kv, start, list(token_ids), background, cancel, after)
         with self._cond:
             if self._stopping:
