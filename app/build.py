@@ -16,7 +16,7 @@ from app.admission import Admission
 from app.gateway import Gateway, load_levels, pick_levels
 from app.metrics import Metrics
 from app.settings import Settings
-from app.threads import configure_threads, thread_budget, worker_initializer
+from app.threads import codec_threads, configure_threads, thread_budget, worker_initializer
 from codec import Level, level_transforms
 from engine import ModelRunner, load_model
 from engine.identity import model_identity
@@ -114,6 +114,7 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
         torch_threads=lambda: threads.torch if codec_gate.active else threads.torch_alone,
     )
     codec_gate.interactive = loop.interactive_work  # encodes yield to generations (scheduler/codec_gate.py)
+    codec_gate.before = codec_threads(threads, loop.model_busy)  # every core while the model idles
     contexts = ContextStore(
         store, fingerprint, loaded.name, settings.chunk_size, io_pool, codec_gate.background()
     )

@@ -14,6 +14,9 @@ While no codec work runs, torch may use every core (``torch_alone``): the step
 loop switches before each step (``scheduler/codec_gate.py``). That keeps the
 idle machine's speed (2 threads: 1.8x faster prefill, 15% faster decode
 steps on 2 cores) without paying for it when a decode runs beside a step.
+The codec's side is the mirror image (``numba_alone``): a decode or an encode
+that starts while the model has nothing to run takes every core, so one
+stored prefix loading into an idle gateway is not decoded on half the machine.
 
 Only the model thread runs torch with more than one thread. GNU OpenMP keeps
 a team of worker threads for every thread that ever ran a parallel region,
@@ -43,6 +46,7 @@ class ThreadBudget:
     torch: int  # while codec work runs beside the model
     numba: int
     torch_alone: int  # while it does not
+    numba_alone: int  # for a codec operation that starts while the model has nothing to run
 
 
 def available_cores() -> int:
@@ -59,7 +63,9 @@ def thread_budget(
     cores = cores or available_cores()
     numba = numba_threads or max(1, cores // 4)
     torch = torch_threads or max(1, cores - numba)
-    return ThreadBudget(torch=torch, numba=numba, torch_alone=torch_threads or cores)
+    return ThreadBudget(
+        torch=torch, numba=numba, torch_alone=torch_threads or cores, numba_alone=numba_threads or cores
+    )
 
 
 def configure_threads(budget: ThreadBudget, model_thread: bool = False) -> None:
@@ -105,14 +111,26 @@ def lower_priority(nice: int = BACKGROUND_NICE) -> None:
             pass
 
 
+def set_codec_threads(count: int) -> None:
+    """Give the calling thread's next numba kernels ``count`` threads (at most numba's pool)."""
+    import numba
+
+    numba.set_num_threads(max(1, min(count, numba.config.NUMBA_NUM_THREADS)))
+
+
+def codec_threads(budget: ThreadBudget, model_busy: Callable[[], bool]) -> Callable[[], None]:
+    """The codec gate's ``before`` (``scheduler/codec_gate.py``): the operation about to run gets
+    every core the budget allows while the model has nothing to run, and its share while it has."""
+    return lambda: set_codec_threads(budget.numba if model_busy() else budget.numba_alone)
+
+
 def worker_initializer(budget: ThreadBudget) -> Callable[[], None]:
     """For ``ThreadPoolExecutor(initializer=...)``: one torch thread, the budget's numba threads."""
 
     def init() -> None:
-        import numba
         import torch
 
         torch.set_num_threads(1)
-        numba.set_num_threads(min(budget.numba, numba.config.NUMBA_NUM_THREADS))
+        set_codec_threads(budget.numba)
 
     return init

@@ -4,7 +4,10 @@ Decodes of concurrent prefix loads and encodes of pre-encodes and
 write-backs all take the gate, so the codec's CPU work runs on the thread
 budget's numba threads, never on as many threads as there are requests.
 The step loop reads ``active`` before each step: while the codec works,
-torch gets only the cores the codec leaves (see ``app/threads.py``).
+torch gets only the cores the codec leaves (see ``app/threads.py``). Each
+operation first calls ``before`` under the gate, on its own thread: the
+gateway sets the operation's numba threads there, every core while the model
+has nothing to run and the budget's share while it has.
 
 Encodes (pre-encodes, write-backs) go through ``background``: before each
 encode they wait while ``interactive()`` says interactive requests are on the
@@ -26,10 +29,16 @@ _POLL_S = 0.01
 
 
 class CodecGate:
-    def __init__(self, interactive: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        interactive: Callable[[], bool] = lambda: False,
+        before: Callable[[], None] = lambda: None,
+    ) -> None:
         self._lock = threading.Lock()
         self._active = False
-        self.interactive = interactive  # the step loop's: wired once both exist (app/build.py)
+        # both are the step loop's and the thread budget's, wired once they exist (app/build.py)
+        self.interactive = interactive
+        self.before = before
 
     @property
     def active(self) -> bool:
@@ -38,6 +47,11 @@ class CodecGate:
     def __enter__(self) -> Self:
         self._lock.acquire()
         self._active = True
+        try:
+            self.before()
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -139,6 +139,7 @@ class StepLoop:
         self._background_at = 0.0  # when background prefill last rode along with interactive work
         self._interactive_at = -INTERACTIVE_NEAR_S  # when a step last had interactive work
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._calling = False  # the model thread is running calls taken from ``_calls``
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="model", daemon=True)
         self._thread.start()
@@ -242,6 +243,13 @@ class StepLoop:
             return True
         return any(not task.background and not task.done.is_set() for task in list(self._tasks))
 
+    def model_busy(self) -> bool:
+        """Whether the model has something to run now or next (any thread may ask): a codec
+        operation that starts while it has not may take every core (``app/threads.py``)."""
+        if self._incoming or self._waiting or self._running or self._tasks or self._calls or self._calling:
+            return True
+        return any(load.done() for load in list(self._loading))
+
     # -- the model thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -249,7 +257,7 @@ class StepLoop:
         self._set_threads()
         while True:
             with self._cond:
-                while not (self._stopping or self._has_work()):
+                while not (self._stopping or self.model_busy()):
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -258,12 +266,14 @@ class StepLoop:
                 self._take_loaded()
                 tasks = list(self._tasks)
                 calls, self._calls = list(self._calls), deque()
+                self._calling = bool(calls)
             for fn, future in calls:
                 self._set_threads()
                 try:
                     future.set_result(fn())
                 except BaseException as exc:  # noqa: BLE001 - the caller re-raises it
                     future.set_exception(exc)
+            self._calling = False
             try:
                 self._drop_cancelled(tasks)
                 self._step(tasks)
@@ -271,10 +281,6 @@ class StepLoop:
                 log.exception("the step loop failed; failing the requests in flight")
                 self._fail_all(exc)
         self._abort_all()
-
-    def _has_work(self) -> bool:
-        loaded = any(load.done() for load in self._loading)
-        return bool(self._incoming or self._waiting or self._running or self._tasks or self._calls or loaded)
 
     def _take_loaded(self) -> None:
         """Under the lock: the generations whose loads are done join the queue for a batch slot."""

@@ -53,3 +53,29 @@ def test_the_gate_is_still_one_operation_at_a_time_for_background_work():
         assert not entered.wait(0.2)  # held by the decode above
     assert entered.wait(5.0)
     thread.join(5.0)
+
+
+def test_before_runs_under_the_gate_on_the_entering_thread_and_a_failure_releases_it():
+    calls: list[tuple[bool, int]] = []
+    gate = CodecGate()
+    gate.before = lambda: calls.append((gate.active, threading.get_ident()))
+    with gate:
+        pass
+    with gate.background():
+        pass
+    assert calls == [(True, threading.get_ident())] * 2
+
+    def fail() -> None:
+        raise RuntimeError("no threads")
+
+    gate.before = fail
+    try:
+        with gate:
+            raise AssertionError("the body must not run")
+    except RuntimeError:
+        pass
+    assert not gate.active
+    gate.before = lambda: None
+    thread, entered, _ = enter_in_thread(gate.background())
+    assert entered.wait(5.0)  # the failed entry released the lock
+    thread.join(5.0)

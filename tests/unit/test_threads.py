@@ -23,3 +23,9 @@ def test_settings_win():
 
 def test_torch_may_use_every_core_while_the_codec_is_idle():
     assert thread_budget(None, None, 2).torch_alone == 2
+
+
+def test_the_codec_may_use_every_core_while_the_model_is_idle():
+    assert thread_budget(None, None, 2).numba_alone == 2
+    assert thread_budget(None, None, 16).numba_alone == 16
+    assert thread_budget(None, 1, 16).numba_alone == 1  # a setting fixes numba's threads
