@@ -525,10 +525,11 @@ class _LoadRun:
         if sum(weights) <= 0:
             weights = [float(c.tokens) for c, _, _ in loaded]
         total = sum(weights)
+        full = max(c.tokens for c in self.chunks)  # a whole chunk (a context's tail is shorter)
         for k, ((chunk, source, f), w) in enumerate(zip(loaded, weights, strict=True)):
             assert source is not None
             share = seconds * w / total
-            profile.observe_decode(source, chunk.tokens, share)
+            profile.observe_decode(source, chunk.tokens, share, full_tokens=full)
             self.result.exact = self.result.exact and self.by_name[source].lossless
             self.result.chunks.append(
                 ChunkReport(

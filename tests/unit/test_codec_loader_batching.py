@@ -136,13 +136,16 @@ def test_arrived_chunks_decode_in_one_batch_into_the_buffer(saved, batches, leve
 def test_decode_time_is_shared_and_observed_per_chunk(saved, batches) -> None:
     store, contexts, tokens = saved
     seen: list[tuple[str, int, float]] = []
+    whole: list[int | None] = []
 
     class Profile(CostProfile):
-        def observe_decode(self, level: str, tokens: int, seconds: float) -> None:
+        def observe_decode(self, level: str, tokens: int, seconds: float, full_tokens: int | None = None) -> None:
             seen.append((level, tokens, seconds))
+            whole.append(full_tokens)
 
     result = load(store, contexts, tokens, MEDIUM, Profile({"medium": 1e-6}, 0.0, 1e-3, 0.0))
     assert [(lv, n) for lv, n, _ in seen] == [("medium", CHUNK)] * 5 + [("medium", 3)]
+    assert whole == [CHUNK] * 6  # the tail counts for its share of a whole chunk
     full, tail = seen[0][2], seen[-1][2]
     assert full == pytest.approx(tail * CHUNK / 3)  # shared in proportion to the predicted cost
     assert sum(c.decode_ms for c in result.chunks) == pytest.approx(sum(s for *_, s in seen) * 1000, abs=0.05)
@@ -154,7 +157,7 @@ def test_waiting_for_the_codec_is_reported_apart_and_never_learned_as_decode_tim
     seen: list[float] = []
 
     class Profile(CostProfile):
-        def observe_decode(self, level: str, tokens: int, seconds: float) -> None:
+        def observe_decode(self, level: str, tokens: int, seconds: float, full_tokens: int | None = None) -> None:
             seen.append(seconds)
 
     gate = threading.Lock()

@@ -36,3 +36,23 @@ def test_the_profile_round_trips_through_json():
     q = CostProfile.from_json(p.to_json())
     assert (q.receive_s_per_byte, q.receive_s_per_object) == (p.receive_s_per_byte, p.receive_s_per_object)
     assert q.decode_s_per_token == p.decode_s_per_token
+
+
+def test_a_short_tail_chunk_moves_the_decode_cost_by_its_share_of_a_chunk():
+    """A load's 5-token tail decodes in about a call's fixed cost: learned at full weight, every
+    load made the level look dearer (per token) than its whole chunks are."""
+    whole = 0.011 / 256  # 11 ms a 256-token chunk
+    p = CostProfile({"medium": whole}, 0.05, 1e-3, 0.0)
+    for _ in range(20):
+        for _ in range(16):
+            p.observe_decode("medium", 256, 0.011, full_tokens=256)
+        p.observe_decode("medium", 5, 0.0004, full_tokens=256)  # 20 ms a chunk, per token
+    assert p.decode_seconds("medium", 256) == pytest.approx(0.011, rel=0.02)
+    q = CostProfile({"medium": whole}, 0.05, 1e-3, 0.0)
+    for _ in range(20):  # the same loads at full weight
+        for _ in range(16):
+            q.observe_decode("medium", 256, 0.011)
+        q.observe_decode("medium", 5, 0.0004)
+    assert q.decode_seconds("medium", 256) > 0.0115  # what the weight prevents
+    p.observe_decode("medium", 256, 0.022, full_tokens=256)  # a whole chunk still counts fully
+    assert p.decode_seconds("medium", 256) == pytest.approx(0.8 * 0.011 + 0.2 * 0.022, rel=0.02)
