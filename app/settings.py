@@ -82,7 +82,10 @@ class Settings(BaseSettings):
     numba_threads: int | None = Field(
         None,
         ge=1,
-        description="codec threads per decode or encode; default: a quarter of the cores, at least 1",
+        description=(
+            "codec threads per decode or encode; default: every core while the model idles, else a"
+            " quarter of them, at least 1 (app/threads.py)"
+        ),
     )
 
     # KV store

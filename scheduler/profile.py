@@ -37,10 +37,16 @@ log = logging.getLogger(__name__)
 # 6: dense streams renormalise without a branch: format 4's decodes are up to 1.3x faster
 # 7: a step's activations no longer fault their pages in every step (app/allocator.py): prefill
 #    is up to 1.6x faster than what profiles of 6 timed
-# 8: a short tail chunk's decode counts for its share of a chunk (``observe_decode``): profiles of 7
-#    learned their last chunk at full weight and could make a level look several times dearer
+# 8: a short tail chunk's decode counts for its share of a chunk, and a slow decode moves the
+#    estimate by at most a twentieth (``observe_decode``): profiles of 7 could make a level look
+#    several times dearer than it is
 PROFILE_VERSION = 8
 _EWMA = 0.2  # weight of the newest measurement
+# A decode slower than this many times the estimate is learned as this many times: a fresh
+# process's first chunk took 30-141 ms where the rest took 21-23 (a one-time cost not yet found).
+# At 2x, every load's first chunk raised its level's price by a fifth, and in ``auto`` on the
+# transform levels the first chunk was often the only ``medium`` one, so nothing brought it back.
+_DECODE_OUTLIER = 1.25
 # A fetch's receive is an overhead per object and a cost per byte. A local read costs about 1 ms of
 # CPU whatever its size: 80-130 KB chunk tails read as 9e-9 s/byte, 11.8 MB raw chunks as 3e-10
 # to 1e-9. Learning one cost per byte from every object over 64 KiB, the tails taught a raw
@@ -86,7 +92,7 @@ class CostProfile:
             old = self.decode_s_per_token.get(level)
             new = seconds / tokens
             if old is not None:
-                new = (1 - weight) * old + weight * min(new, 2 * old)  # one descheduled decode is no trend
+                new = (1 - weight) * old + weight * min(new, _DECODE_OUTLIER * old)  # a slow one is no trend
             self.decode_s_per_token[level] = new
 
     def receive_seconds(self, nbytes: int) -> float:

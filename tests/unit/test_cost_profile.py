@@ -54,5 +54,17 @@ def test_a_short_tail_chunk_moves_the_decode_cost_by_its_share_of_a_chunk():
             q.observe_decode("medium", 256, 0.011)
         q.observe_decode("medium", 5, 0.0004)
     assert q.decode_seconds("medium", 256) > 0.0115  # what the weight prevents
-    p.observe_decode("medium", 256, 0.022, full_tokens=256)  # a whole chunk still counts fully
-    assert p.decode_seconds("medium", 256) == pytest.approx(0.8 * 0.011 + 0.2 * 0.022, rel=0.02)
+    p.observe_decode("medium", 256, 0.0055, full_tokens=256)  # a whole chunk counts fully
+    assert p.decode_seconds("medium", 256) == pytest.approx(0.8 * 0.011 + 0.2 * 0.0055, rel=0.02)
+
+
+def test_one_slow_decode_moves_the_estimate_a_little_and_a_slower_machine_is_learned():
+    p = CostProfile({"medium": 0.020 / 256}, 0.05, 1e-3, 0.0)
+    p.observe_decode("medium", 256, 0.140, full_tokens=256)  # a fresh process's first chunk
+    assert p.decode_seconds("medium", 256) == pytest.approx(0.020 * 1.05)
+    for _ in range(16):
+        p.observe_decode("medium", 256, 0.020, full_tokens=256)
+    assert p.decode_seconds("medium", 256) == pytest.approx(0.020, rel=0.01)
+    for _ in range(40):  # the machine got 2x slower: a few loads' chunks teach it
+        p.observe_decode("medium", 256, 0.040, full_tokens=256)
+    assert p.decode_seconds("medium", 256) == pytest.approx(0.040, rel=0.02)
