@@ -221,3 +221,45 @@ def test_encoding_never_writes_its_input(heads: int) -> None:
     before = kv.clone()
     encode_chunk(kv, _level(t), position=9)
     assert torch.equal(kv, before)
+
+
+def _inverse_fresh(t: KVTransform, values: torch.Tensor, position: int) -> torch.Tensor:
+    """The bf16 inverse with its temporaries freshly allocated (the scratch buffers held)."""
+    import codec.transform as transform
+
+    out = values.clone()
+    with transform._CPU_SCRATCH.take(out.device) as held:
+        assert held is transform._CPU_SCRATCH
+        t.inverse_(out, position, bf16=True)  # finds the buffers in use: allocates its own
+    return out
+
+
+@pytest.mark.parametrize("tokens", [40, 7, 40, 64])  # grown, shrunk, reused, grown again
+def test_the_cpu_inverse_gives_the_same_bits_from_its_reused_buffers(tokens: int) -> None:
+    coefficients = _kv(tokens, 11 + tokens)
+    reused = coefficients.clone()
+    T1.inverse_(reused, 300, bf16=True)
+    assert torch.equal(reused, _inverse_fresh(T1, coefficients, 300))
+    assert not torch.equal(reused, coefficients)
+
+
+def test_concurrent_inverses_do_not_share_buffers() -> None:
+    import threading
+
+    inputs = [_kv(40, 20 + k) for k in range(6)]
+    expected = [_inverse_fresh(T1, x, 100) for x in inputs]
+    wrong: list[int] = []
+
+    def run(k: int) -> None:
+        for _ in range(20):
+            out = inputs[k].clone()
+            T1.inverse_(out, 100, bf16=True)
+            if not torch.equal(out, expected[k]):
+                wrong.append(k)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
