@@ -54,16 +54,6 @@ def warm_up_codec(levels: tuple[Level, ...], geometry: KVGeometry, chunk_size: i
             decode_chunk(encode_chunk(sample, level, position=position))
 
 
-def warm_up_model(runner: ModelRunner, prefix_tokens: int) -> None:
-    """A short prefill after a cached prefix, on the model thread, as a request's question runs
-    after its loaded context: the forward pass's one-time costs (oneDNN's kernels, the thread
-    team's start) then happen at start-up. When the cost profile comes from its file, nothing
-    else runs the model before the first request, and that request paid them."""
-    kv = runner.new_kv(prefix_tokens + 8)
-    kv.zero_()
-    runner.prefill(list(range(8)), kv, prefix_tokens=prefix_tokens)
-
-
 @contextlib.contextmanager
 def _stage(what: str) -> Iterator[None]:
     """Log a start-up stage as it starts and with its time when done: start-up takes seconds (the
@@ -144,8 +134,6 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
     # measured on the model thread, at the speed requests will see
     with _stage(f"the cost profile ({'cached' if profile_file.exists() else 'measuring this machine'})"):
         profile = loop.call(load_or_measure, profile_file, runner, list(levels), settings.chunk_size)
-    with _stage("a first forward pass"):
-        loop.call(warm_up_model, runner, settings.chunk_size)
     transforms = level_transforms(levels)
     for transform in transforms.values():
         if transform.model != identity.weights:
