@@ -41,9 +41,9 @@ log = logging.getLogger(__name__)
 def warm_up_codec(levels: tuple[Level, ...], geometry: KVGeometry, chunk_size: int) -> None:
     """Encode and decode a whole chunk at every level, as a context's first chunk and as a later
     one, so that the one-time costs happen at start-up, not in the first request: numba's compile
-    (or cache load), and oneDNN's kernels for the inverse transform's matmul, which are made for
-    each shape (a 16-token warm-up left the first 256-token chunk's inverse at 113 ms, against
-    10 ms after it, in every fresh gateway)."""
+    (or cache load), and the inverse transform's buffers at a whole chunk's size (``codec.transform``
+    reuses them; a 16-token warm-up left a fresh gateway's first 256-token inverse at 113 ms,
+    against 10 ms after it, most of it faulting fresh memory in)."""
     import torch
 
     from codec import decode_chunk, encode_chunk
