@@ -151,6 +151,7 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
         codec_gate=codec_gate,
         transforms=transforms,
         staging=runner.kv_pool.buffer if runner.kv_pool is not None else None,
+        chunk_size=settings.chunk_size,
     )
     store_levels = default_store_levels(levels, profile, settings.chunk_size, runner.kv_bytes_per_token)
     log.info(

@@ -93,8 +93,12 @@ class PrefixLoader:
         codec_gate: AbstractContextManager[Any] | None = None,
         transforms: Mapping[bytes, KVTransform] | None = None,
         staging: Callable[[int], memoryview | None] | None = None,
+        chunk_size: int | None = None,
     ) -> None:
         self.store = store
+        # a whole chunk's tokens: a shorter one teaches the cost profile its share of one (None: the
+        # longest chunk of each load)
+        self.chunk_size = chunk_size
         # where fetched chunks are read into, when the store can (``ObjectStore.get_into``): the KV
         # pool's blocks, already resident (``engine.kv_pool``); None from it: the store's own bytes
         self.staging = staging
@@ -525,7 +529,7 @@ class _LoadRun:
         if sum(weights) <= 0:
             weights = [float(c.tokens) for c, _, _ in loaded]
         total = sum(weights)
-        full = max(c.tokens for c in self.chunks)  # a whole chunk (a context's tail is shorter)
+        full = self.loader.chunk_size or max(c.tokens for c in self.chunks)  # a context's tail is shorter
         for k, ((chunk, source, f), w) in enumerate(zip(loaded, weights, strict=True)):
             assert source is not None
             share = seconds * w / total

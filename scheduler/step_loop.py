@@ -265,8 +265,8 @@ class StepLoop:
                 self._incoming.clear()
                 self._take_loaded()
                 tasks = list(self._tasks)
+                self._calling = bool(self._calls)  # before the queue empties: model_busy reads no lock
                 calls, self._calls = list(self._calls), deque()
-                self._calling = bool(calls)
             for fn, future in calls:
                 self._set_threads()
                 try:

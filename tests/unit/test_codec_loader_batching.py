@@ -95,9 +95,10 @@ def load(
     profile: CostProfile | None = None,
     staging_bytes: int | None = None,
     codec_gate=None,
+    chunk_size: int | None = None,
 ):
     profile = profile or CostProfile({"lossless": 1e-6, "medium": 3e-6}, 0.0, 1e-3, 0.0)
-    loader = PrefixLoader(store, GEOMETRY, ImmediatePool(), profile, codec_gate=codec_gate)  # type: ignore[arg-type]
+    loader = PrefixLoader(store, GEOMETRY, ImmediatePool(), profile, codec_gate=codec_gate, chunk_size=chunk_size)  # type: ignore[arg-type]
     request = KVRequest([level], {level.name: 0.0}, fixed=True)
     prefix = stored(store, contexts, tokens, level)
     return loader.load(
@@ -149,6 +150,20 @@ def test_decode_time_is_shared_and_observed_per_chunk(saved, batches) -> None:
     full, tail = seen[0][2], seen[-1][2]
     assert full == pytest.approx(tail * CHUNK / 3)  # shared in proportion to the predicted cost
     assert sum(c.decode_ms for c in result.chunks) == pytest.approx(sum(s for *_, s in seen) * 1000, abs=0.05)
+
+
+def test_the_loaders_chunk_size_is_the_measure_of_a_whole_chunk(saved) -> None:
+    """Not the longest chunk of the load: a load may hold only a context's tail (its whole chunks
+    came from memory)."""
+    store, contexts, tokens = saved
+    whole: list[int | None] = []
+
+    class Profile(CostProfile):
+        def observe_decode(self, level: str, tokens: int, seconds: float, full_tokens: int | None = None) -> None:
+            whole.append(full_tokens)
+
+    load(store, contexts, tokens, MEDIUM, Profile({"medium": 1e-6}, 0.0, 1e-3, 0.0), chunk_size=2 * CHUNK)
+    assert whole == [2 * CHUNK] * 6
 
 
 def test_waiting_for_the_codec_is_reported_apart_and_never_learned_as_decode_time(saved) -> None:
