@@ -201,14 +201,16 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
         metrics.memory_prefix_evictions.set_function(lambda: cache.stats.evicted_runs)
         metrics.memory_prefix_copied.set_function(lambda: cache.stats.copied_tokens)
     log.info(
-        "serving %s on %s (%s), KV store %s, fingerprint %s; threads: torch %d, codec %d",
+        "serving %s on %s (%s), KV store %s, fingerprint %s; threads: torch %d (%d alone), codec %d (%d alone)",
         loaded.name,
         loaded.device,
         loaded.precision,
         store,
         fingerprint.hex[:16],
         threads.torch,
+        threads.torch_alone,
         threads.numba,
+        threads.numba_alone,
     )
     return Gateway(
         settings=settings,

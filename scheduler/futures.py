@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -31,6 +31,25 @@ def then(future: Future[T], fn: Callable[[T], U]) -> Future[U]:
 
     future.add_done_callback(chained)
     return out
+
+
+def when_all(futures: list[Future[Any]], fn: Callable[[], None]) -> None:
+    """Call ``fn`` once every future is done: now if they are, else on the thread that ends the
+    last of them."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn()
+
+    if not futures:
+        fn()
+    for future in futures:
+        future.add_done_callback(one_done)
 
 
 def once(fn: Callable[[], None]) -> Callable[[], None]:

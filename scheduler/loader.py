@@ -41,6 +41,7 @@ from codec import (
     raw_chunk_bytes,
 )
 from scheduler.bandwidth import BandwidthEstimator
+from scheduler.futures import when_all
 from scheduler.geometry import KVGeometry
 from scheduler.layout import chunk_object_key
 from scheduler.planner import TEXT, ChunkCosts, PlanInputs, plan
@@ -267,7 +268,7 @@ class _LoadRun:
             except BaseException as exc:  # noqa: BLE001 - the future carries it to the caller
                 result.set_exception(exc)
 
-        _when_all([run.future for run in self.text_runs], finish)
+        when_all([run.future for run in self.text_runs], finish)
         return result
 
     # -- planning -----------------------------------------------------------------------------
@@ -548,25 +549,6 @@ class _LoadRun:
                     gate_ms=_ms(gate) if k == 0 else 0.0,
                 )
             )
-
-
-def _when_all(futures: list[Future[Any]], then: Callable[[], None]) -> None:
-    """Call ``then`` once every future is done: now if they are, else on the thread that ends the
-    last of them."""
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: Future[Any]) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            then()
-
-    if not futures:
-        then()
-    for future in futures:
-        future.add_done_callback(one_done)
 
 
 def _ms(seconds: float) -> float:

@@ -41,3 +41,19 @@ def test_once_runs_on_the_first_call_of_many_threads():
         t.join()
     fn()
     assert len(calls) == 1
+
+
+def test_when_all_calls_once_after_the_last_future_and_at_once_for_none():
+    from concurrent.futures import Future
+
+    from scheduler.futures import when_all
+
+    calls: list[str] = []
+    when_all([], lambda: calls.append("none"))
+    assert calls == ["none"]
+    futures: list[Future[int]] = [Future(), Future()]
+    when_all(futures, lambda: calls.append("all"))
+    futures[1].set_result(1)
+    assert calls == ["none"]
+    futures[0].set_result(0)
+    assert calls == ["none", "all"]
