@@ -26,8 +26,11 @@ kernel time), and a cold 3.8K-token prompt took 8.5-11.7 s instead of 5.2-5.8 s
 top beyond the trim threshold: in the unit test's probe, 16 threads that allocate and free 3 MiB
 blocks leave 181-276 MiB resident, against 817-979 MiB with glibc's defaults.
 
-Setting ``CACHEGEN_MALLOC_TUNING=false`` keeps glibc's defaults. Other C libraries (musl, macOS)
-are left alone.
+Freed memory in the middle of an arena stays resident: the trim threshold only gives back its top,
+so a long-lived block above freed ones pins them. ``app/malloc_trim.py`` gives such pages back.
+
+Setting ``CACHEGEN_MALLOC_TUNING=false`` keeps glibc's defaults, and turns that trim off. Other C
+libraries (musl, macOS) are left alone.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ M_ARENA_MAX = -8
 SETTINGS = ((M_ARENA_MAX, 2), (M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 64 << 20))
 
 
-def _glibc() -> ctypes.CDLL | None:
+def glibc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     if name is None:
         return None
@@ -55,12 +58,12 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def is_glibc() -> bool:
-    return _glibc() is not None
+    return glibc() is not None
 
 
 def tune() -> bool:
     """Apply SETTINGS; False (and nothing changed) where the C library is not glibc."""
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         return False
     for param, value in SETTINGS:

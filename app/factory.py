@@ -23,13 +23,14 @@ from app.body_limit import BodyLimit
 from app.build import build_gateway
 from app.errors import StoreFailed, error_response, install_error_handlers, to_api_error
 from app.gateway import Gateway
+from app.malloc_trim import trim_task
 from app.metrics import Metrics
 from app.readiness import Readiness
 from app.routes import package_version, router
 from app.settings import Settings
 from app.startup import BackgroundStart, stop_server
 from scheduler.collection_lease import CollectionLease
-from scheduler.lifecycle import CollectionTimer
+from scheduler.lifecycle import PeriodicTask
 from scheduler.profile import save as save_profile
 
 REQUEST_ID_HEADER = b"x-request-id"
@@ -50,15 +51,16 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     # its own thread: a probe queued behind a burst of chunk fetches on the I/O pool would time out
     # and take a busy gateway out of its load balancer
     probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="readiness")
-    collections: list[CollectionTimer] = []
+    trim = trim_task(settings, metrics.record_malloc_trim)
+    periodic: list[PeriodicTask] = [] if trim is None else [trim]  # then the store's collection
 
     def attach(built: Gateway) -> None:
         app.state.readiness = Readiness(built.store, probe_pool)
         interval = built.collect_interval_s
         if interval is not None:
             lease = CollectionLease(built.store, built.settings.replica, interval)
-            collection = CollectionTimer(lambda: built.collect_if_leased(lease), interval)
-            collections.append(collection)
+            collection = PeriodicTask(lambda: built.collect_if_leased(lease), interval, "store-collector")
+            periodic.append(collection)
             collection.start()
         app.state.gateway = built  # last: requests are served from here on
 
@@ -69,13 +71,15 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         adopt_server_loggers()
+        for task in periodic:
+            task.start()
         if starter is not None:
             starter.start()
         else:
             attach(gateway)
         yield
-        for collection in collections:
-            collection.stop()
+        for task in periodic:
+            task.stop()
         probe_pool.shutdown(wait=False, cancel_futures=True)
         built = app.state.gateway
         if built is not None:

@@ -153,6 +153,16 @@ class Metrics:
         self.engine_prefill_tokens = Gauge(
             "cachegen:engine_prefill_tokens", "Prefill tokens the model steps ran.", registry=r
         )
+        # the C allocator's trim (app/malloc_trim.py)
+        self.malloc_trims = Counter(
+            "cachegen:malloc_trims", "malloc_trim calls: free arena pages given back to the OS.", registry=r
+        )
+        self.malloc_trim_released = Counter(
+            "cachegen:malloc_trim_released_bytes", "Bytes the RSS fell by in malloc_trim calls.", registry=r
+        )
+        self.malloc_trim_seconds = Counter(
+            "cachegen:malloc_trim_seconds", "Seconds spent in malloc_trim calls.", registry=r
+        )
         # the store's lifecycle (scheduler/lifecycle.py): garbage collection and the size cap
         self.store_bytes = Gauge(
             "cachegen:store_bytes", "Bytes in the KV store, as of the last collection.", registry=r
@@ -176,3 +186,8 @@ class Metrics:
         self.evicted_bytes = Counter(
             "cachegen:store_evicted_bytes", "Bytes freed by evicting contexts.", registry=r
         )
+
+    def record_malloc_trim(self, released_bytes: int, seconds: float) -> None:
+        self.malloc_trims.inc()
+        self.malloc_trim_released.inc(released_bytes)
+        self.malloc_trim_seconds.inc(seconds)

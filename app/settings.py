@@ -102,6 +102,18 @@ class Settings(BaseSettings):
     malloc_tuning: bool = Field(
         True, description="glibc: 2 arenas, 32 MiB mmap threshold, 64 MiB trim (app/allocator.py)"
     )
+    malloc_trim_interval_s: float = Field(
+        0.5,
+        ge=0,
+        description="with malloc_tuning: every this many seconds, give the arenas' free pages back to the "
+        "OS when they hold over malloc_trim_min_free_bytes free (malloc_trim; app/malloc_trim.py); 0: never",
+    )
+    malloc_trim_min_free_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        description="the free memory the arenas may keep before a trim: above a model step's activations, "
+        "so that steps do not fault them in again after every trim",
+    )
     chunk_size: int = Field(256, ge=16, le=65536, description="tokens per stored KV chunk")
     levels_file: Path | None = Field(None, description="JSON level table (see `python -m app calibrate`)")
     encode_levels: NameList = Field(

@@ -39,6 +39,7 @@ CONFIGS = {
     "glibc": {"CACHEGEN_MALLOC_TUNING": "false", **_TIER},
     "default": _TIER,
     "no-prefault": {"CACHEGEN_KV_PREFAULT": "false", **_TIER},  # the KV pool faulted in as it is used
+    "no-trim": {"CACHEGEN_MALLOC_TRIM_INTERVAL_S": "0", **_TIER},  # free arena pages stay (app/malloc_trim.py)
 }
 
 
@@ -66,6 +67,31 @@ class Sampler(threading.Thread):
                 self.kv_used.append(metric(self.url, "cachegen:kv_memory_used_bytes") or 0.0)
 
 
+def smaps_breakdown(pid: int) -> dict[str, float]:
+    """Resident MiB of ``pid`` by what holds it: the KV pool (a shared anonymous mapping), the
+    weights (their safetensors file, mapped), shared libraries, and the heap and other anonymous
+    memory (the C allocator's arenas: the LRU tier's bytes, activations, Python objects)."""
+    out: dict[str, float] = {}
+    kind = "other"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split(maxsplit=5)
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:  # a mapping's header line
+            path = head[5] if len(head) > 5 else ""
+            if path.startswith("/dev/zero") or path.startswith("/memfd:"):
+                kind = "kv_pool"
+            elif path.endswith(".safetensors"):
+                kind = "weights_file"
+            elif ".so" in path:
+                kind = "libraries"
+            elif path in ("", "[heap]") or path.startswith("[anon"):
+                kind = "heap_and_anon"
+            else:
+                kind = "other"
+        elif line.startswith("Rss:"):
+            out[kind] = out.get(kind, 0.0) + int(line.split()[1]) / 1024
+    return out
+
+
 def weights_bytes() -> int:
     from engine.loading import convert_default_model, default_cache_dir
 
@@ -87,6 +113,7 @@ def measure(name: str, store: Path, contexts: list[str], args: argparse.Namespac
         sampler.stop.set()
         sampler.join()
         hwm = rss_bytes(gw.proc.pid, "VmHWM")
+        breakdown = smaps_breakdown(gw.proc.pid)
         summary = summarize(records, load.requests, duration, peak)
     return {
         "config": name,
@@ -96,6 +123,7 @@ def measure(name: str, store: Path, contexts: list[str], args: argparse.Namespac
         "peak_rss_load_mib": max(sampler.rss) / 2**20,
         "vm_hwm_mib": hwm / 2**20,
         "peak_kv_used_mib": max(sampler.kv_used, default=0.0) / 2**20,
+        "rss_after_load_by_kind_mib": breakdown,
         "rss_samples_mib": [r / 2**20 for r in sampler.rss],
         "requests_completed": summary["requests_completed"],
         "errors": summary["errors"],
@@ -117,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-contexts", type=int, default=8)
     p.add_argument("--context-tokens", type=int, default=2048)
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default="glibc,default", help=f"comma-separated: {', '.join(CONFIGS)}")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     contexts = build_contexts(load_tokenizer("default"), args.num_contexts, args.context_tokens)
@@ -137,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['config']} | {r['rss_before_load_mib']:.0f} | {r['peak_rss_load_mib']:.0f} "
               f"| {r['peak_over_bound']:.2f} | {r['vm_hwm_mib']:.0f} | {r['peak_kv_used_mib']:.0f} "
               f"| {r['requests_completed']} | {r['output_token_throughput']:.1f} |")  # fmt: skip
+    for r in rows:
+        kinds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["rss_after_load_by_kind_mib"].items()))
+        print(f"{r['config']}, resident MiB after the load by kind: {kinds}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "weights_bytes": weights,
                                     "bound_bytes": bound, "rows": rows}, indent=2))  # fmt: skip

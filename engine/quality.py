@@ -113,6 +113,17 @@ def passkey_answer(
     return bool(tokens) and task.answer in runner.tokenizer.decode(tokens)
 
 
+def passkey_answer_nll(runner: ModelRunner, task: PassKeyTask, context_kv: torch.Tensor) -> float:
+    """The answer's negative log-likelihood, nats, teacher-forced after the question: a continuous
+    reading of the same trial, where ``passkey_answer`` is pass or fail."""
+    answer = runner.tokenizer(" " + task.answer, add_special_tokens=False)["input_ids"]
+    logits = runner.prefill(task.question_ids + answer, context_kv, want_prompt_logits=True).prompt_logits
+    assert logits is not None
+    # the logits at the question's last token predict the answer's first
+    logp = torch.log_softmax(logits[-len(answer) - 1 : -1].float(), -1)
+    return float(-logp[torch.arange(len(answer)), torch.tensor(answer, device=logp.device)].sum())
+
+
 # -- statistics for the codec's step sizes ---------------------------------------------------------------
 
 

@@ -159,14 +159,15 @@ def _expiry_by_key(live: list[Manifest]) -> dict[str, int | None]:
     return expiry
 
 
-class CollectionTimer:
-    """Runs ``collect`` every ``interval_s`` on a thread of its own, until ``stop``."""
+class PeriodicTask:
+    """Runs ``task`` every ``interval_s`` on a thread of its own (named ``name``), until ``stop``.
+    A failing run is logged and the next one runs as planned."""
 
-    def __init__(self, collect: Callable[[], object], interval_s: float) -> None:
-        self._collect = collect
+    def __init__(self, task: Callable[[], object], interval_s: float, name: str) -> None:
+        self.task = task
         self.interval_s = interval_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="store-collector", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -177,6 +178,6 @@ class CollectionTimer:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self._collect()
+                self.task()
             except Exception:
-                log.exception("store collection failed")
+                log.exception("%s failed", self._thread.name)
