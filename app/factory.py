@@ -51,8 +51,7 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     # its own thread: a probe queued behind a burst of chunk fetches on the I/O pool would time out
     # and take a busy gateway out of its load balancer
     probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="readiness")
-    trim = trim_task(settings, metrics.record_malloc_trim)
-    periodic: list[PeriodicTask] = [] if trim is None else [trim]  # then the store's collection
+    periodic: list[PeriodicTask] = []  # the allocator's trim, the store's collection
 
     def attach(built: Gateway) -> None:
         app.state.readiness = Readiness(built.store, probe_pool)
@@ -71,8 +70,11 @@ def create_app(settings: Settings | None = None, gateway: Gateway | None = None)
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         adopt_server_loggers()
-        for task in periodic:
-            task.start()
+        periodic.clear()  # a thread starts once: each run of the lifespan makes its own
+        trim = trim_task(settings, metrics.record_malloc_trim)
+        if trim is not None:
+            periodic.append(trim)
+            trim.start()
         if starter is not None:
             starter.start()
         else:

@@ -7,13 +7,12 @@ workload), the main arena held 1,345 MB, of which 697 MB were in use, and one ``
 which also gives back free pages inside an arena, took the RSS from 4,180 to 3,884 MiB, in a few
 milliseconds. A second round of 16 questions then added 8 MiB: the pages were not needed again.
 
-``Trimmer`` runs it when the arenas hold more than ``CACHEGEN_MALLOC_TRIM_MIN_FREE_BYTES`` free
-(256 MiB); the gateway calls it every ``CACHEGEN_MALLOC_TRIM_INTERVAL_S`` (0.5 s; 0: never).
-Under 32 clients the peak RSS fell from 1.32x to 1.23x the bound; a trim takes about 1.5 ms.
-Pages it gave back are faulted in again when they are reused: with a 64 MiB floor (1.18x) the
-tokens/s at 8 clients fell by 4%, with 256 MiB by nothing measurable; the higher floor keeps a
-step's activations (about 150 MB for a 256-token prefill) out of reach, presumably the
-difference (docs/serving.md, "Peak memory under load").
+``Trimmer`` runs it when the RSS passes its high mark (the RSS before the last trim) by more than
+``CACHEGEN_MALLOC_TRIM_GROWTH_BYTES`` and the arenas hold that much free; the gateway asks it
+every ``CACHEGEN_MALLOC_TRIM_INTERVAL_S`` (0.5 s; 0: never).
+Under 32 clients (``benchmarks/memory_bench.py``) the peak RSS fell from 1.32x to 1.23x the
+bound, and the median sample to 1.17x; a trim takes about 1.5 ms (docs/serving.md, "Peak memory
+under load").
 """
 
 from __future__ import annotations
@@ -62,14 +61,23 @@ def _rss_bytes() -> int:
 
 
 class Trimmer:
-    """Each call gives the arenas' free pages back to the OS (``malloc_trim(0)``) if they hold more
-    than ``min_free_bytes`` free, and reports what the RSS fell by and how long it took to
-    ``on_trim(released_bytes, seconds)``."""
+    """Each call gives the arenas' free pages back to the OS (``malloc_trim(0)``) when the RSS
+    passes its high mark by more than ``growth_bytes`` and the arenas hold more than that free.
+    The high mark is the RSS just before the last trim (at first, the first call's reading). What
+    the RSS fell by and how long the trim took go to ``on_trim(released_bytes, seconds)``.
 
-    def __init__(self, min_free_bytes: int, on_trim: Callable[[int, float], None] | None = None) -> None:
-        self.min_free_bytes = min_free_bytes
+    Why a high mark: free bytes alone cannot tell resident pages from given-back ones (a trim gives
+    back the pages inside free chunks, the chunks stay free), so on free bytes alone every call
+    would trim again. And a trim gives back a model step's just-freed activations too, which the
+    next step faults in again: measured, trimming over 64 MiB free every 0.5 s cost 4% of the
+    tokens/s at 8 clients. Memory that comes back up to the high mark is such a working set, and
+    is left alone; only a new high, which is what a peak is made of, trims."""
+
+    def __init__(self, growth_bytes: int, on_trim: Callable[[int, float], None] | None = None) -> None:
+        self.growth_bytes = growth_bytes
         self._on_trim = on_trim
         self._libc = glibc()
+        self._high: int | None = None
 
     @property
     def available(self) -> bool:
@@ -77,12 +85,18 @@ class Trimmer:
 
     def __call__(self) -> int:
         """The bytes the RSS fell by (0 when nothing was done)."""
-        free = free_bytes()
-        if self._libc is None or free is None or free <= self.min_free_bytes:
+        rss = _rss_bytes()
+        if self._high is None:
+            self._high = rss
+        if rss - self._high <= self.growth_bytes:
             return 0
-        before, t0 = _rss_bytes(), time.perf_counter()
+        free = free_bytes()
+        if self._libc is None or free is None or free <= self.growth_bytes:
+            return 0
+        t0 = time.perf_counter()
         self._libc.malloc_trim(ctypes.c_size_t(0))
-        seconds, released = time.perf_counter() - t0, max(0, before - _rss_bytes())
+        seconds, released = time.perf_counter() - t0, max(0, rss - _rss_bytes())
+        self._high = rss
         log.debug("malloc_trim: %d MiB free in the arenas, RSS -%d MiB in %.1f ms",
                   free >> 20, released >> 20, 1e3 * seconds)  # fmt: skip
         if self._on_trim is not None:
@@ -95,5 +109,5 @@ def trim_task(settings: Settings, on_trim: Callable[[int, float], None] | None =
     without glibc's ``malloc_trim`` and ``mallinfo2``."""
     if not settings.malloc_tuning or settings.malloc_trim_interval_s <= 0:
         return None
-    trimmer = Trimmer(settings.malloc_trim_min_free_bytes, on_trim)
+    trimmer = Trimmer(settings.malloc_trim_growth_bytes, on_trim)
     return PeriodicTask(trimmer, settings.malloc_trim_interval_s, "malloc-trim") if trimmer.available else None

@@ -106,13 +106,13 @@ class Settings(BaseSettings):
         0.5,
         ge=0,
         description="with malloc_tuning: every this many seconds, give the arenas' free pages back to the "
-        "OS when they hold over malloc_trim_min_free_bytes free (malloc_trim; app/malloc_trim.py); 0: never",
+        "OS when the RSS grew by malloc_trim_growth_bytes since the last trim (malloc_trim; "
+        "app/malloc_trim.py); 0: never",
     )
-    malloc_trim_min_free_bytes: int = Field(
-        256 << 20,
+    malloc_trim_growth_bytes: int = Field(
+        64 << 20,
         ge=0,
-        description="the free memory the arenas may keep before a trim: above a model step's activations, "
-        "so that steps do not fault them in again after every trim",
+        description="the RSS growth since the last trim, with that much free in the arenas, that triggers a trim",
     )
     chunk_size: int = Field(256, ge=16, le=65536, description="tokens per stored KV chunk")
     levels_file: Path | None = Field(None, description="JSON level table (see `python -m app calibrate`)")

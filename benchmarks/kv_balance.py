@@ -6,7 +6,8 @@
 Variants of one level of the default table, in one run:
 - ``kXvY``: the level with every key step times X and every value step times Y (``1,1`` is the
   level as calibrated);
-- ``keys only`` / ``values only``: the level's decoded keys (values) with the other side exact.
+- ``keys only`` / ``values only``: the level's decoded keys (values) with the other side exact;
+  their bits per value are the whole level's (the coded side alone would be about half).
 
 Each is scored as ``benchmarks/codec_quality.py`` scores a level, on the same held-out texts and
 pass-key trials: bits per value with every byte, perplexity change, top-1 agreement and KL of a

@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from app.allocator import M_TRIM_THRESHOLD, SETTINGS, is_glibc
+from app.malloc_trim import Trimmer, trim_task
+from app.settings import Settings
 from tests.gateway_process import REPO
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not is_glibc(), reason="glibc only")
@@ -38,23 +40,41 @@ if sys.argv[2] == "pinned":  # freed blocks under live ones: the trim threshold 
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
     calls = []
-    trimmer = Trimmer(min_free_bytes=64 << 20, on_trim=lambda released, seconds: calls.append(released))
+    trimmer = Trimmer(64 << 20, on_trim=lambda released, seconds: calls.append(released))
     assert trimmer.available
-    trimmer()  # what the imports left free
-    assert Trimmer(min_free_bytes=1 << 40)() == 0  # under its bound of free memory: nothing is done
+    assert trimmer() == 0  # the first call only reads where the RSS starts
     before = rss_mib()
-    kept, dropped = [], []
-    for _ in range(60):
-        block = libc.malloc(3 << 20)  # 3 MiB, written, straight from the arena
-        ctypes.memset(block, 1, 3 << 20)
-        dropped.append(block)
-        kept.append(libc.malloc(64 << 10))  # a block above it, kept
-    for block in dropped:
-        libc.free(block)
+    kept = []
+
+    def pin_freed_blocks():  # 60 blocks of 3 MiB, written, each under a kept one, then freed
+        dropped = []
+        for _ in range(60):
+            block = libc.malloc(3 << 20)
+            ctypes.memset(block, 1, 3 << 20)
+            dropped.append(block)
+            kept.append(libc.malloc(64 << 10))
+        for block in dropped:
+            libc.free(block)
+
+    pin_freed_blocks()
     pinned = rss_mib()
+    assert Trimmer(1 << 40)() == 0  # under its bound of growth: nothing is done
     released = trimmer() / 2**20
     assert calls and calls[-1] / 2**20 == released
-    print(pinned - before, released, pinned - rss_mib())
+    after = rss_mib()
+    # the chunks stay free after their pages went back: with no new high since, no second trim
+    assert trimmer() == 0 and len(calls) == 1
+    # the same memory used again comes back up to the high mark only: a working set, left alone
+    # (on free bytes alone, this would trim again)
+    blocks = [libc.malloc(3 << 20) for _ in range(60)]
+    for block in blocks:
+        ctypes.memset(block, 1, 3 << 20)
+    for block in blocks:
+        libc.free(block)
+    assert rss_mib() - after > 120, "the blocks were not faulted in again"
+    assert trimmer() == 0 and len(calls) == 1
+    rss_mib_after = after
+    print(pinned - before, released, pinned - rss_mib_after)
     sys.exit(0)
 
 if sys.argv[2] == "retained":
@@ -118,21 +138,21 @@ def test_freed_blocks_beyond_the_trim_threshold_go_back_to_the_os():
     assert default > 2 * tuned  # glibc's defaults keep them (the probe tells the two apart)
 
 
+@pytest.mark.skipif(not Trimmer(0).available, reason="glibc 2.33's mallinfo2")
 def test_the_trimmer_gives_back_freed_blocks_pinned_under_live_ones():
     # 60 freed blocks of 3 MiB, each under a small live one: the arena cannot shrink from its top,
-    # so they stay resident until malloc_trim gives their pages back
+    # so they stay resident until malloc_trim gives their pages back; then the trimmer waits for
+    # the RSS to pass that high mark again
     pinned, released, fell = (float(v) for v in run_probe("tuned", "pinned").split())
     assert pinned > 150, f"only {pinned:.0f} of 180 MiB stayed resident once freed: nothing pinned them"
     assert released > 120, f"the trim gave back {released:.0f} of 180 MiB"
     assert fell > 120  # the probe's own reading agrees with the trimmer's
 
 
+@pytest.mark.skipif(not Trimmer(0).available, reason="glibc 2.33's mallinfo2")
 def test_the_gateways_trim_task_follows_its_settings():
-    from app.malloc_trim import Trimmer, trim_task
-    from app.settings import Settings
-
-    task = trim_task(Settings(malloc_trim_interval_s=0.25, malloc_trim_min_free_bytes=100 << 20))
+    task = trim_task(Settings(malloc_trim_interval_s=0.25, malloc_trim_growth_bytes=100 << 20))
     assert task is not None and task.interval_s == 0.25
-    assert isinstance(task.task, Trimmer) and task.task.min_free_bytes == 100 << 20
+    assert isinstance(task.task, Trimmer) and task.task.growth_bytes == 100 << 20
     assert trim_task(Settings(malloc_trim_interval_s=0)) is None
     assert trim_task(Settings(malloc_tuning=False)) is None  # glibc's defaults: no trim either
