@@ -20,7 +20,7 @@ import logging
 import sys
 import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -118,12 +118,38 @@ def benchmark_texts(extra_dir: Path | None = None) -> dict[str, str]:
     return out
 
 
+def held_out_references(runner, args: argparse.Namespace, extra_dir: Path | None = None) -> Iterator[tuple[str, int, object]]:
+    """``(name, text tokens, reference)`` for up to ``args.texts`` texts long enough for the prefix and the continuation.
+
+    A reference is ``engine.quality.reference_continuation`` of the text's first ``args.prefix_tokens``
+    + ``args.continuation_tokens`` tokens: the lossless prefix KV and the continuation's logits.
+    """
+    from engine.quality import reference_continuation
+
+    need = args.prefix_tokens + args.continuation_tokens
+    taken = 0
+    for name, text in benchmark_texts(extra_dir).items():
+        if taken == args.texts:
+            return
+        ids = runner.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) < need:
+            log.info("skipping %s: %d tokens < %d", name, len(ids), need)
+            continue
+        taken += 1
+        yield name, len(ids), reference_continuation(runner, ids[:need], args.prefix_tokens)
+
+
+def passkey_lengths(trials: int) -> list[int]:
+    """The context lengths of the pass-key trials, 1,500 to 4,900 tokens; trial i uses seed i."""
+    return [int(n) for n in np.linspace(1500, 4900, trials).astype(int)] if trials else []
+
+
 # -- the run ---------------------------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> dict:
     from engine import ModelRunner, load_model
-    from engine.quality import continuation_quality, passkey_answer, passkey_task, reference_continuation
+    from engine.quality import continuation_quality, passkey_answer, passkey_task
 
     torch.manual_seed(0)
     tables = [(None, DEFAULT_LEVELS)]
@@ -146,30 +172,23 @@ def run(args: argparse.Namespace) -> dict:
     if not args.no_baselines:
         methods.update(BASELINES)
     runner = ModelRunner(load_model(args.model, dtype=args.dtype))
-    need = args.prefix_tokens + args.continuation_tokens
 
     per_text: dict[str, dict] = {}
-    for name, text in list(benchmark_texts(args.extra_texts).items()):
-        ids = runner.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) < need:
-            log.info("skipping %s: %d tokens < %d", name, len(ids), need)
-            continue
-        if len(per_text) == args.texts:
-            break
-        t0 = time.monotonic()
-        ref = reference_continuation(runner, ids[:need], args.prefix_tokens)
+    t0 = time.monotonic()
+    for name, tokens, ref in held_out_references(runner, args, args.extra_texts):
         rows = {}
         for method, fn in methods.items():
             kv, bits = fn(ref.prefix_kv)
             q = continuation_quality(runner, ref, kv.to(ref.prefix_kv.dtype))
             rows[method] = {"bits": bits, "ppl_change": q.ppl_change, "top1": q.top1, "kl": q.kl}
-        per_text[name] = {"tokens": len(ids), "ppl": float(np.exp(ref.nll)), "methods": rows}
+        per_text[name] = {"tokens": tokens, "ppl": float(np.exp(ref.nll)), "methods": rows}
         log.info("%s done in %.0f s", name, time.monotonic() - t0)
+        t0 = time.monotonic()
 
     passkey: dict[str, list[bool]] = {"lossless": []} | {m: [] for m in methods}
-    lengths = np.linspace(1500, 4900, args.passkey_trials).astype(int) if args.passkey_trials else []
+    lengths = passkey_lengths(args.passkey_trials)
     for trial, n in enumerate(lengths):
-        task = passkey_task(runner, int(n), seed=trial)
+        task = passkey_task(runner, n, seed=trial)
         kv = runner.compute_kv(task.context_ids)
         passkey["lossless"].append(passkey_answer(runner, task, kv))
         for method, fn in methods.items():
@@ -184,7 +203,7 @@ def run(args: argparse.Namespace) -> dict:
     summary = {}
     for method in ["lossless", *methods]:
         rows = [t["methods"][method] for t in per_text.values()] if method != "lossless" else []
-        entry = {"passkey": float(np.mean(passkey[method])) if lengths.__len__() else None}
+        entry = {"passkey": float(np.mean(passkey[method])) if lengths else None}
         if method == "lossless":
             entry |= {"bits": 32.0, "ppl_change": 0.0, "top1": 1.0}
         else:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from app.calibrate import round_trip_chunks
-from benchmarks.codec_quality import benchmark_texts
+from benchmarks.codec_quality import held_out_references, passkey_lengths
 from codec import Level
 from codec.levels import level_by_name
 
@@ -73,7 +73,6 @@ def run(args: argparse.Namespace) -> dict:
         passkey_answer,
         passkey_answer_nll,
         passkey_task,
-        reference_continuation,
     )
 
     torch.manual_seed(0)
@@ -87,14 +86,9 @@ def run(args: argparse.Namespace) -> dict:
         for key, value in values.items():
             rows[name].setdefault(key, []).append(value)
 
-    need = args.prefix_tokens + args.continuation_tokens
     texts = 0
-    for text_name, text in benchmark_texts().items():
-        ids = runner.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) < need or texts == args.texts:
-            continue
+    for text_name, _, ref in held_out_references(runner, args):
         texts += 1
-        ref = reference_continuation(runner, ids[:need], args.prefix_tokens)
         cache: dict = {}
         for name, variant in table.items():
             kv, bits = decoded(ref.prefix_kv, level, variant, cache)
@@ -102,9 +96,9 @@ def run(args: argparse.Namespace) -> dict:
             add(name, bits=bits, ppl_change=q.ppl_change, top1=q.top1, kl=q.kl)
         log.info("%s done", text_name)
 
-    for trial, n in enumerate(np.linspace(1500, 4900, args.passkey_trials).astype(int)):
+    for trial, n in enumerate(passkey_lengths(args.passkey_trials)):
         t0 = time.monotonic()
-        task = passkey_task(runner, int(n), seed=trial)  # the seeds of codec_quality's trials
+        task = passkey_task(runner, n, seed=trial)  # codec_quality's trials
         kv = runner.compute_kv(task.context_ids)
         add("lossless", passkey=passkey_answer(runner, task, kv), answer_nll=passkey_answer_nll(runner, task, kv))
         cache = {}
