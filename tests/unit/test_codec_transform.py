@@ -22,7 +22,7 @@ from codec import CodecError, Level, LevelTableError, Scheme, decode_chunk, enco
 from codec.container import HEADER_SIZE
 from codec.levels import default_level_table
 from codec.parsed import parse_chunk
-from codec.transform import KVTransform, TransformError, fit_transform, load_transform, save_transform
+from codec.transform import KVTransform, TransformError, fit_transform, load_transform, rope_, save_transform
 from codec.transformed import TransformParams
 
 LAYERS, HEADS, DIM = 2, 2, 16
@@ -263,3 +263,36 @@ def test_concurrent_inverses_do_not_share_buffers() -> None:
     for thread in threads:
         thread.join()
     assert wrong == []
+
+
+def _inverse_in_torch(t: KVTransform, values: torch.Tensor, position: int) -> torch.Tensor:
+    """The bf16 inverse as torch ops alone, step by step: the reference for the CPU's one-pass
+    finish (codec/inverse_kernel.py)."""
+    layers, _, heads, tokens, dim = values.shape
+    decode, mean = t._on(values.device, True)
+    y = values.permute(0, 1, 3, 2, 4).reshape(layers * 2, tokens, heads * dim).to(torch.bfloat16)
+    x = (torch.bmm(y, decode).float() + mean).view(layers, 2, tokens, heads, dim)
+    if t.inv_freq is not None:
+        rope_(x[:, 0], t.inv_freq, t.rope_scale, position)
+    return x.permute(0, 1, 3, 2, 4).contiguous()
+
+
+@pytest.mark.parametrize("rope", [True, False])
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_the_cpu_inverse_finishes_as_the_torch_steps_do(rope: bool, tokens: int) -> None:
+    """The mean, RoPE and the copy out, fused on the CPU, give torch's values, into a strided slice
+    of a larger buffer (a cache's tokens after the exact ones) without touching the rest of it:
+    the same bits without RoPE; with it, within float32's last bit (torch may fuse a multiply and
+    an add in its vector code)."""
+    t = T1 if rope else _transform(3, rope=False)
+    coefficients = _kv(tokens, 5 + tokens)
+    buffer = torch.full((LAYERS, 2, HEADS, tokens + 3, DIM), 7.0)
+    buffer[:, :, :, 3:] = coefficients
+    t.inverse_(buffer[:, :, :, 3:], 300, bf16=True)
+    expected = _inverse_in_torch(t, coefficients, 300)
+    if rope:
+        ulp = 2.0**-23 * float(expected.abs().max())
+        torch.testing.assert_close(buffer[:, :, :, 3:], expected, rtol=2**-22, atol=2 * ulp)
+    else:
+        assert torch.equal(buffer[:, :, :, 3:], expected)
+    assert bool((buffer[:, :, :, :3] == 7.0).all())
