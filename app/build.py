@@ -124,7 +124,7 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
     )
     geometry = KVGeometry(runner.num_layers, runner.num_kv_heads, runner.head_dim)
     metrics = metrics or Metrics()
-    table = load_levels(settings, runner.device.type)
+    table = load_levels(settings, runner.device.type, geometry)
     levels = table.levels
     with _stage("compiling the codec (numba's cache makes it quick after the first time)"):
         warm_up_codec(levels, geometry, settings.chunk_size)

@@ -28,13 +28,15 @@ from app.protocol import (
 )
 from app.settings import Settings
 from codec import Level, level_by_name
-from codec.levels import V4_TABLE_FILE, default_level_table, load_level_table, shipped_level_table
+from codec.levels import DEFAULT_LEVELS, V4_TABLE_FILE, default_level_table, level_transforms, load_level_table, shipped_level_table
+from codec.transform import cheap_inverse
 from engine import ModelRunner
 from engine.sampling import SamplingParams
 from scheduler.collection_lease import CollectionLease
 from scheduler.contexts import ContextStore
 from scheduler.executor import RequestExecutor
 from scheduler.flag import Flag
+from scheduler.geometry import KVGeometry
 from scheduler.generation import Finished, GenerationJob, PrefixReport, PromptDone, TokenEvent
 from scheduler.kv_memory import KVMemory
 from scheduler.lifecycle import CollectReport, StoreCollector
@@ -59,16 +61,25 @@ class LevelTable:
     distortion: dict[str, float]  # quality loss per level, for the planner (0 = exact)
 
 
-def builtin_table(device_type: str) -> dict[str, Any]:
-    """The built-in table for a model on ``device_type``: the transform levels (format 5) on a
-    GPU, where their inverse transform (a 1.1-GFLOP matmul a 256-token chunk) is nearly free; the
-    format-4 levels on a CPU, where it costs more decode time than its smaller chunks save on a
-    fast link (docs/codec.md, "TTFT over a link": `medium` 1.02 s against 0.79 s of TTFT for a
-    stored 4K context at 200 Mbit/s on 2 cores with AMX, 3.1 s against 1.9 s on 2 older ones)."""
-    return default_level_table() if device_type == "cuda" else shipped_level_table(V4_TABLE_FILE)
+def builtin_table(device_type: str, geometry: KVGeometry | None = None) -> dict[str, Any]:
+    """The built-in table for a model on ``device_type``: the transform levels (format 5) where
+    their inverse transform (a 1.1-GFLOP matmul a 256-token chunk) is cheap, on a GPU or on a CPU
+    with a native bf16 matmul (``codec.transform.cheap_inverse``), and where their transform fits
+    the model's KV (``geometry``, when known); else the format-4 levels, which fit any model.
+
+    On 2 cores with AMX a stored 4K context at 200 Mbit/s loads in 0.59 s with the transform
+    levels against 0.79 s with format 4's since the CPU inverse became one pass (docs/codec.md,
+    "TTFT over a link"); before, format 4's were faster there. A CPU without native bf16 multiplies
+    in float32, 4x slower (docs/codec.md, "Speed")."""
+    table = default_level_table()
+    fits = geometry is None or all(
+        (t.layers, t.kv_heads, t.head_dim) == (geometry.layers, geometry.kv_heads, geometry.head_dim)
+        for t in level_transforms(DEFAULT_LEVELS).values()  # the default table, loaded
+    )
+    return table if cheap_inverse(device_type) and fits else shipped_level_table(V4_TABLE_FILE)
 
 
-def load_levels(settings: Settings, device_type: str = "cpu") -> LevelTable:
+def load_levels(settings: Settings, device_type: str = "cpu", geometry: KVGeometry | None = None) -> LevelTable:
     """The level table (``levels_file``, else ``builtin_table``); the quality floor of ``auto``
     without a budget; each level's distortion.
 
@@ -78,7 +89,7 @@ def load_levels(settings: Settings, device_type: str = "cpu") -> LevelTable:
     else a stand-in that grows 4x per level, as measured tables do.
     """
     table = (
-        builtin_table(device_type)
+        builtin_table(device_type, geometry)
         if settings.levels_file is None
         else json.loads(settings.levels_file.read_text())
     )

@@ -215,6 +215,12 @@ class _Fresh:
 _CPU_SCRATCH = _Scratch()
 
 
+def cheap_inverse(device_type: str) -> bool:
+    """Whether the inverse costs little on ``device_type``: a GPU, or a CPU with a native bf16
+    matmul (``bf16_inverse``). Elsewhere it multiplies in float32 on the CPU, 4x slower."""
+    return device_type == "cuda" or (device_type == "cpu" and bf16_inverse(torch.device("cpu")))
+
+
 def bf16_inverse(device: torch.device) -> bool:
     """Whether the inverse transform multiplies in bf16 on ``device``: on a CPU with a native bf16
     matmul (AMX or AVX512-BF16), where it is 2.4x faster than float32 (docs/codec.md, "Speed").
