@@ -28,7 +28,14 @@ from app.protocol import (
 )
 from app.settings import Settings
 from codec import Level, level_by_name
-from codec.levels import DEFAULT_LEVELS, V4_TABLE_FILE, default_level_table, level_transforms, load_level_table, shipped_level_table
+from codec.levels import (
+    DEFAULT_LEVELS,
+    V4_TABLE_FILE,
+    default_level_table,
+    level_transforms,
+    load_level_table,
+    shipped_level_table,
+)
 from codec.transform import cheap_inverse
 from engine import ModelRunner
 from engine.sampling import SamplingParams
@@ -79,7 +86,9 @@ def builtin_table(device_type: str, geometry: KVGeometry | None = None) -> dict[
     return table if cheap_inverse(device_type) and fits else shipped_level_table(V4_TABLE_FILE)
 
 
-def load_levels(settings: Settings, device_type: str = "cpu", geometry: KVGeometry | None = None) -> LevelTable:
+def load_levels(
+    settings: Settings, device_type: str = "cpu", geometry: KVGeometry | None = None
+) -> LevelTable:
     """The level table (``levels_file``, else ``builtin_table``); the quality floor of ``auto``
     without a budget; each level's distortion.
 

@@ -36,11 +36,13 @@ V4_TABLE = "codec/levels/SmolLM2-135M-Instruct.v4.json"
 V4_RENAMED = Path(tempfile.gettempdir()) / "cachegen-bench-v4-levels.json"
 TRANSFORM_TABLE = "codec/levels/SmolLM2-135M-Instruct.json"  # format 5's transform levels
 # "default": the gateway's built-in table (app.gateway.builtin_table): the transform levels where
-# their inverse is cheap (a GPU, a CPU with native bf16), else format 4's. It is served from the file of the same levels that ``pre_encode`` stores:
+# their inverse is cheap (a GPU, a CPU with native bf16), else format 4's. It is served from the
+# file of the same levels that ``pre_encode`` stores:
 # a store's index holds one object per level name, so the built-in table's format-4 levels, under
 # the names the baselines' transform levels also have, would find only lossless there (an ``auto``
 # of 17 lossless chunks, 7.8 s at 200 Mbit/s, where ``auto v4`` took 0.8 s).
-_BUILTIN = TRANSFORM_TABLE if cheap_inverse("cuda" if torch.cuda.is_available() else "cpu") else str(V4_RENAMED)
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_BUILTIN = TRANSFORM_TABLE if cheap_inverse(_DEVICE) else str(V4_RENAMED)
 TABLES = {
     "baselines": BASELINES_TABLE,
     "v4": str(V4_RENAMED),

@@ -118,8 +118,11 @@ def benchmark_texts(extra_dir: Path | None = None) -> dict[str, str]:
     return out
 
 
-def held_out_references(runner, args: argparse.Namespace, extra_dir: Path | None = None) -> Iterator[tuple[str, int, object]]:
-    """``(name, text tokens, reference)`` for up to ``args.texts`` texts long enough for the prefix and the continuation.
+def held_out_references(
+    runner, args: argparse.Namespace, extra_dir: Path | None = None
+) -> Iterator[tuple[str, int, object]]:
+    """``(name, text tokens, reference)`` for up to ``args.texts`` texts long enough for the prefix
+    and the continuation.
 
     A reference is ``engine.quality.reference_continuation`` of the text's first ``args.prefix_tokens``
     + ``args.continuation_tokens`` tokens: the lossless prefix KV and the continuation's logits.

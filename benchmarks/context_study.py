@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> dict:
     runner = ModelRunner(load_model())
     chunks: list[tuple[np.ndarray, int]] = []
     for name, text in benchmark_texts().items():
-        ids = runner.tokenizer(text, add_special_tokens=False)["input_ids"][: (args.chunks_per_text + 1) * 256]
+        tokens = (args.chunks_per_text + 1) * 256
+        ids = runner.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
         kv = runner.compute_kv(ids).float().numpy()
         chunks += [(kv[:, :, :, s : s + 256], s) for s in range(256, len(ids) - 255, 256)]
         log.info("%s: %d chunks so far", name, len(chunks))
@@ -110,11 +111,14 @@ def print_table(result: dict) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for name, h in result["levels"].items():
         prev, nbr = h["H|previous token"], h["H|neighbour"]
-        print(f"| {name} | {h['H0']:.4f} | {prev:.4f} | {1 - prev / h['H0']:.1%} | {nbr:.4f} | {1 - nbr / h['H0']:.1%} |")
+        saved = (1 - prev / h["H0"], 1 - nbr / h["H0"])
+        print(f"| {name} | {h['H0']:.4f} | {prev:.4f} | {saved[0]:.1%} | {nbr:.4f} | {saved[1]:.1%} |")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--chunks-per-text", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/context_study.json"))
     args = parser.parse_args(argv)

@@ -100,13 +100,15 @@ def run(args: argparse.Namespace) -> dict:
         t0 = time.monotonic()
         task = passkey_task(runner, n, seed=trial)  # codec_quality's trials
         kv = runner.compute_kv(task.context_ids)
-        add("lossless", passkey=passkey_answer(runner, task, kv), answer_nll=passkey_answer_nll(runner, task, kv))
+        nll = passkey_answer_nll(runner, task, kv)
+        add("lossless", passkey=passkey_answer(runner, task, kv), answer_nll=nll)
         cache = {}
         for name, variant in table.items():
             x, bits = decoded(kv, level, variant, cache)
             add(name, passkey=passkey_answer(runner, task, x), answer_nll=passkey_answer_nll(runner, task, x),
                 passkey_bits=bits)  # fmt: skip
-        log.info("pass-key trial %d (%d tokens) in %.0f s", trial, len(task.context_ids), time.monotonic() - t0)
+        seconds = time.monotonic() - t0
+        log.info("pass-key trial %d (%d tokens) in %.0f s", trial, len(task.context_ids), seconds)
 
     summary = {}
     for name, r in rows.items():

@@ -172,7 +172,7 @@ def _renorm_branchless(x, pos, end, words):
     most, so never outside the stream) and only taken when ``x`` fell below ``STATE_LOW``. An
     over-read leaves ``pos`` past ``end``, which the caller's final check rejects."""
     take = np.int64(x < STATE_LOW)
-    word = np.int64(words[np.uint64(min(pos, end - 1))])
+    word = np.int64(words[U(min(pos, end - 1))])
     return (x << (take << 4)) | (word & -take), pos + take
 
 
