@@ -16,7 +16,12 @@ Steps (each measured on the model, nothing hard-coded per model):
    keys (before RoPE) and values (``codec.transform.fit_transform``), written
    beside the table, and levels that code its coefficients, each the finest
    scale of the same per-layer steps that fits its bit budget
-   (``TRANSFORM_TARGETS``).
+   (``TRANSFORM_TARGETS``);
+5. with ``--finer-layer LAYER=FACTOR``: that layer's steps times FACTOR before
+   the scale search. Step 2 reads prose, which does not exercise retrieval over
+   a long context; ``benchmarks/layer_retrieval.py`` finds the layers whose
+   noise costs pass-key retrieval (docs/codec.md, "Pass-key: the layer the
+   calibration could not see").
 
 The calibration text is not one of the benchmark texts.
 """
@@ -39,7 +44,7 @@ import torch
 from codec import Level, Scheme, decode_chunk, encode_chunk, load_level_table
 from codec.levels import TABLE_FORMAT, level_transforms
 from codec.quantized import STEP_TABLE, QuantParams, channel_steps, step_codes
-from codec.transform import KVTransform, fit_transform, save_transform
+from codec.transform import KVTransform, fit_transform, load_transform, save_transform
 from codec.transformed import TransformParams
 
 log = logging.getLogger("calibrate")
@@ -262,9 +267,11 @@ def calibrate(
     continuation: int,
     sensitivity: np.ndarray | None = None,
     transform: tuple[KVTransform, str] | None = None,
+    layer_factors: dict[int, float] | None = None,
 ) -> dict:
     """The level table. ``transform``: (the transform, its file name beside the table): the lossy
-    levels are then transform levels, placed by ``TRANSFORM_TARGETS``."""
+    levels are then transform levels, placed by ``TRANSFORM_TARGETS``. ``layer_factors``: a
+    multiplier of some layers' steps (step 5)."""
     from engine.quality import query_channel_rms, reference_continuation
 
     ids = calibration_tokens(runner, texts, prefix + continuation)
@@ -273,6 +280,10 @@ def calibrate(
     ref = reference_continuation(runner, ids, prefix)
     sens = layer_sensitivity(runner, ref, rms) if sensitivity is None else sensitivity
     key_steps, value_steps = layer_steps(sens)
+    factors = np.ones(runner.num_layers)
+    for layer, factor in (layer_factors or {}).items():
+        factors[layer] = factor
+    key_steps, value_steps = key_steps * factors, value_steps * factors
     levels: list[dict] = [{"name": "lossless", "scheme": "raw"}]
     measured: dict[str, dict] = {}
     seen: dict[float, dict[str, float]] = {}
@@ -309,6 +320,7 @@ def calibrate(
             "prefix_tokens": prefix,
             "continuation_tokens": continuation,
             "sensitivity_kl": np.round(sens, 6).tolist(),
+            "layer_factors": {str(layer): factor for layer, factor in sorted((layer_factors or {}).items())},
             "measured": measured,
         },
         "key_channel_rms": np.round(rms, 4).tolist(),
@@ -330,6 +342,21 @@ def format_table(table: dict) -> str:
     )
 
 
+def layer_factor_args(items: list[str]) -> dict[int, float]:
+    """``--finer-layer`` values, ``LAYER=FACTOR``, as {layer: factor}."""
+    factors: dict[int, float] = {}
+    for item in items:
+        layer, sep, factor = item.partition("=")
+        try:
+            index, value = int(layer), float(factor)
+        except ValueError:
+            raise ValueError(f"--finer-layer {item!r}: expected LAYER=FACTOR, as 4=0.5") from None
+        if not sep or index < 0 or not 0 < value <= MULTIPLIER_RANGE[1]:
+            raise ValueError(f"--finer-layer {item!r}: a layer >= 0 and 0 < FACTOR <= {MULTIPLIER_RANGE[1]}")
+        factors[index] = value
+    return factors
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m app calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="model reference (as for the gateway)")
@@ -347,12 +374,30 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="transform levels (format 5): fit a PCA transform and write it beside the table",
     )
+    parser.add_argument(
+        "--transform-from", type=Path, help="with --transform: reuse this transform file, not a new fit"
+    )
+    parser.add_argument(
+        "--finer-layer",
+        action="append",
+        default=[],
+        metavar="LAYER=FACTOR",
+        help="multiply one layer's steps by FACTOR (0 < FACTOR <= 4) before the scale search",
+    )
     args = parser.parse_args(argv)
+    if args.transform_from and not args.transform:
+        parser.error("--transform-from needs --transform")
+    try:
+        factors = layer_factor_args(args.finer_layer)
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     from engine import ModelRunner, load_model
 
     runner = ModelRunner(load_model(args.model))
+    if any(layer >= runner.num_layers for layer in factors):
+        parser.error(f"--finer-layer: the model has layers 0..{runner.num_layers - 1}")
     texts = [p.read_text(encoding="utf-8") for p in args.text] if args.text else default_texts()
     sens = None
     if args.sensitivity_from:
@@ -362,17 +407,20 @@ def main(argv: list[str]) -> int:
         from engine.identity import model_identity
         from engine.quality import query_channel_rms
 
-        loaded = runner.loaded
-        weights = model_identity(
-            loaded.model, loaded.tokenizer.get_vocab(), loaded.weights_dir, precision=loaded.precision
-        ).weights
-        ids = calibration_tokens(runner, texts, TRANSFORM_TOKENS)
-        t = calibrate_transform(runner, ids, query_channel_rms(runner, ids), model=weights)
+        if args.transform_from:
+            t = load_transform(args.transform_from)
+        else:
+            loaded = runner.loaded
+            weights = model_identity(
+                loaded.model, loaded.tokenizer.get_vocab(), loaded.weights_dir, precision=loaded.precision
+            ).weights
+            ids = calibration_tokens(runner, texts, TRANSFORM_TOKENS)
+            t = calibrate_transform(runner, ids, query_channel_rms(runner, ids), model=weights)
         file_name = args.out.with_suffix(".transform.safetensors").name
         save_transform(t, args.out.parent / file_name)
         log.info("wrote the transform %s (%s)", file_name, t.id.hex())
         transform = (t, file_name)
-    table = calibrate(runner, texts, args.prefix_tokens, args.continuation_tokens, sens, transform)
+    table = calibrate(runner, texts, args.prefix_tokens, args.continuation_tokens, sens, transform, factors)
     load_level_table(table, args.out.parent)  # what we write must load
     args.out.write_text(format_table(table), encoding="utf-8")
     log.info("wrote %s", args.out)

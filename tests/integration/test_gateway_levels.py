@@ -1,7 +1,9 @@
 """Every codec level, end to end: pre-encoded through the API, then answering through it.
 
-Twice: on the gateway's built-in table (on a CPU, format 4's levels) and on the transform levels
-of format 5 (``codec/levels/SmolLM2-135M-Instruct.json``, the built-in table on a GPU).
+Twice: on the gateway's built-in table, and on the other of the two shipped tables. The built-in
+table is the transform levels of format 5 (``codec/levels/SmolLM2-135M-Instruct.json``) on a CPU
+with native bf16 (``app.gateway.builtin_table``), and format 4's levels
+(``SmolLM2-135M-Instruct.v4.json``) on one without: either way both tables are served here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import httpx
 import pytest
 
 from codec import DEFAULT_LEVELS
+from codec.transform import cheap_inverse
 from tests.conftest import MODEL_NAME
 from tests.gateway_process import GatewayProcess
 
@@ -21,10 +24,12 @@ pytestmark = pytest.mark.slow
 LEVELS = [level.name for level in DEFAULT_LEVELS]
 
 
-TRANSFORM_TABLE = Path(__file__).resolve().parents[2] / "codec" / "levels" / "SmolLM2-135M-Instruct.json"
+TABLES = Path(__file__).resolve().parents[2] / "codec" / "levels"
+# the shipped table that the built-in one is not, on this machine's CPU
+OTHER_TABLE = TABLES / ("SmolLM2-135M-Instruct.v4.json" if cheap_inverse("cpu") else "SmolLM2-135M-Instruct.json")
 
 
-@pytest.fixture(scope="module", params=["builtin", "transform"])
+@pytest.fixture(scope="module", params=["builtin", "other"])
 def gateway(request, tmp_path_factory) -> Iterator[GatewayProcess]:
     """Without the prefix cache: every request here must load the store's levels, not KV that an
     earlier request left in memory. With an LRU tier (none by default in front of a local store):
@@ -37,8 +42,8 @@ def gateway(request, tmp_path_factory) -> Iterator[GatewayProcess]:
         "CACHEGEN_PREFIX_CACHE": "false",
         "CACHEGEN_STORE_CACHE_BYTES": str(512 * 2**20),
     }
-    if request.param == "transform":
-        env["CACHEGEN_LEVELS_FILE"] = str(TRANSFORM_TABLE)
+    if request.param == "other":
+        env["CACHEGEN_LEVELS_FILE"] = str(OTHER_TABLE)
     with GatewayProcess(env, root / "gateway.log") as proc:
         yield proc
 

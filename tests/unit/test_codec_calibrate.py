@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from app.calibrate import (
@@ -12,6 +13,7 @@ from app.calibrate import (
     PROBE_KEY_STEP,
     PROBE_VALUE_STEP,
     format_table,
+    layer_factor_args,
     layer_steps,
     quant_level,
     round_trip_chunks,
@@ -45,3 +47,12 @@ def test_written_table_is_compact_json_that_loads() -> None:
     assert json.loads(text) == table
     assert len(text.splitlines()) < 400  # one line per layer row, not per number
     assert load_level_table(json.loads(text))[0].name == "lossless"
+
+
+def test_finer_layer_arguments_parse_and_refuse_what_they_cannot_mean() -> None:
+    assert layer_factor_args(["4=0.5", "11=0.75"]) == {4: 0.5, 11: 0.75}
+    assert layer_factor_args([]) == {}
+    for bad in ["4", "4=", "x=0.5", "-1=0.5", "4=0", "4=-1", "4=5", "4=nan"]:
+        with pytest.raises(ValueError, match="--finer-layer"):
+            layer_factor_args([bad])
+
