@@ -64,12 +64,13 @@ def run(args: argparse.Namespace) -> dict:
         )
         log.info("trial %d (%d tokens) in %.0f s", i, len(task.context_ids), time.monotonic() - t0)
     gains = np.array([[t["level"] - x for x in t["exact_layer"]] for t in trials])  # (trials, layers)
+    # the spread of a mean over the trials: a gain within about 2 of these is noise
+    errors = gains.std(axis=0, ddof=1) / np.sqrt(len(trials)) if len(trials) > 1 else [None] * layers
     per_layer = [
         {
             "layer": layer,
             "nll_gain": float(gains[:, layer].mean()),
-            # the spread of the mean over trials: a gain within about 2 of these is noise
-            "standard_error": float(gains[:, layer].std(ddof=1) / np.sqrt(len(trials))) if len(trials) > 1 else None,
+            "standard_error": None if errors[layer] is None else float(errors[layer]),
         }
         for layer in range(layers)
     ]
@@ -90,8 +91,8 @@ def print_table(result: dict, top: int) -> None:
     print("| layer exact | NLL gain | standard error |")
     print("|---:|---:|---:|")
     for row in result["layers"][:top]:
-        se = row["standard_error"]
-        print(f"| {row['layer']} | {row['nll_gain']:+.3f} | {se:.3f} |" if se is not None else "")
+        se = "-" if row["standard_error"] is None else f"{row['standard_error']:.3f}"
+        print(f"| {row['layer']} | {row['nll_gain']:+.3f} | {se} |")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,9 @@ LEVELS = [level.name for level in DEFAULT_LEVELS]
 
 TABLES = Path(__file__).resolve().parents[2] / "codec" / "levels"
 # the shipped table that the built-in one is not, on this machine's CPU
-OTHER_TABLE = TABLES / ("SmolLM2-135M-Instruct.v4.json" if cheap_inverse("cpu") else "SmolLM2-135M-Instruct.json")
+OTHER_TABLE = TABLES / (
+    "SmolLM2-135M-Instruct.v4.json" if cheap_inverse("cpu") else "SmolLM2-135M-Instruct.json"
+)
 
 
 @pytest.fixture(scope="module", params=["builtin", "other"])
