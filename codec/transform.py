@@ -173,8 +173,9 @@ class KVTransform:
 
 
 class _Scratch:
-    """Buffers the CPU inverse reuses for its temporaries, one set per process (about 24 MB for a
-    256-token chunk of the default model). Fresh temporaries are fresh memory, faulted in page by
+    """Buffers the CPU inverse reuses for its temporaries, one set per process (the bf16
+    coefficients and product, about 12 MB for a 256-token chunk of the default model; the float32
+    sum is gone since ``finish_bf16_inverse`` writes the KV straight out). Fresh temporaries are fresh memory, faulted in page by
     page: in a fresh gateway, a prepare thread's first inverse took 21-126 ms, against 10-13 ms for
     the next, nearly all of it in the copy into the bf16 coefficients and the sum with the mean
     (torch profiler). A second thread that finds the buffers in use allocates its own, as before
