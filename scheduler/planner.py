@@ -5,19 +5,29 @@ simulated costs. The executor calls ``plan`` again after every chunk with the
 time and bandwidth it measured, so a wrong estimate costs one chunk, not the
 request.
 
-Time model of the pipeline (fetch overlaps compute; decode, text prefill and
-the final prefill share the compute side, in chunk order):
+Time model: a two-stage pipeline in chunk order. The link fetches the store
+chunks one after another; the compute side (decode, text prefill, then the
+final prefill) takes every chunk in order, a store chunk once it has arrived.
+One server taking jobs in a fixed order finishes at the latest of "a job's
+release + all the work from that job on", so
 
-    start = max(compute_busy, link_busy)   # the chunks already committed are consumed first, in order
-    end = max(start + recompute + decode,  link_busy + bytes / rate + last decode) + suffix
+    start     = max(compute_busy, link_busy)   # the chunks already committed are consumed first
+    arrival_p = link_busy + bytes of the store chunks up to p, inclusive / rate
+    end       = max(start + recompute + decode,  max_p (arrival_p + decode of chunks p..n)) + suffix
+
+(an earlier model took ``link + last decode`` for the second term, the case
+p = n only; it called a plan with its large chunks first free when the
+compute side's total hid the link's, and the decoder then waited on the link
+for those chunks while the small ones queued behind).
 
 Candidate plans: the first ``k`` remaining chunks as text (prefilled while
-later chunks are still on the link), then ``j`` chunks at a level ``a`` and
-the rest at a lower level ``b``. Cost and quality depend on how many chunks
-take each route, and an optimum of one budget over such counts mixes at most
-two routes besides text, so this family holds the best plan while staying
-small (levels^2 * chunks^2 / 4 candidates, evaluated at once with numpy).
-Text first gives the link time to work while the model recomputes. Quality
+later chunks are still on the link), then ``j`` chunks at one level and the
+rest at another. Text first, then the chunks the link brings faster than they
+decode, then those it brings slower, is Johnson's rule for a two-stage flow
+shop: for given counts, the order that finishes first; each pair of levels
+is put in that order. An optimum of one budget over counts mixes at most two
+routes besides text, so this family holds the best plan while staying small
+(levels^2 * chunks^2 / 4 candidates, evaluated at once with numpy). Quality
 loss is the sum of the chunks' level distortions (0 = exact; text is exact):
 measured KL divergence per level where the level table has it, which grows
 much faster than linearly from one level to the next, so one lossless and one
@@ -36,7 +46,6 @@ from dataclasses import dataclass
 import numpy as np
 
 TEXT = "text"
-_MISSING = 1e30  # bytes of a level a chunk does not have: no plan through it is ever chosen
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,6 @@ def plan(inputs: PlanInputs) -> Plan:
     if n == 0 or not inputs.levels:
         return _explicit(inputs, [TEXT] * n)
     levels = inputs.levels
-    pairs = list(itertools.combinations(levels, 2)) or [(levels[0], levels[0])]
     recompute = _prefix_sums([c.recompute_s for c in inputs.chunks])
     k, j = (g.ravel() for g in np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij"))
     keep = (k + j <= n) & ((k == 0) | inputs.allow_text)
@@ -85,17 +93,18 @@ def plan(inputs: PlanInputs) -> Plan:
     m = k + j  # chunks [k, m) at level a, [m, n) at level b
 
     start = _compute_start(inputs)
+    routes = {level: _Route(inputs.chunks, level, inputs.rate_bps) for level in levels}
+    pairs = [_johnson(routes, a, b) for a, b in itertools.combinations(levels, 2)] or [(levels[0],) * 2]
     ends, dists = [], []  # per pair, one entry per (k, j)
     for a, b in pairs:
-        size_a, dec_a = _sums(inputs.chunks, a)
-        size_b, dec_b = _sums(inputs.chunks, b)
-        fetched = (size_a[m] - size_a[k]) + (size_b[n] - size_b[m])
-        compute = start + recompute[k] + (dec_a[m] - dec_a[k]) + (dec_b[n] - dec_b[m])
-        link = inputs.link_busy_s + fetched / max(inputs.rate_bps, 1.0)
-        last_a = dec_a[np.maximum(m, 1)] - dec_a[np.maximum(m, 1) - 1]
-        last = np.where(m < n, dec_b[n] - dec_b[n - 1], np.where(j > 0, last_a, 0.0))
-        end = np.maximum(compute, link + last) + inputs.suffix_s
-        ends.append(np.where(fetched >= _MISSING / 2, np.inf, end))
+        ra, rb = routes[a], routes[b]
+        compute = start + recompute[k] + (ra.decode[m] - ra.decode[k]) + (rb.decode[n] - rb.decode[m])
+        # the latest of (arrival + decode from there on) over the a-chunks, then over the b-chunks
+        link_a = inputs.link_busy_s - ra.link[k] + ra.decode[m] + rb.decode[n] - rb.decode[m] + ra.most[k, m]
+        link_b = inputs.link_busy_s + ra.link[m] - ra.link[k] - rb.link[m] + rb.decode[n] + rb.most[m, n]
+        end = np.maximum(compute, np.maximum(link_a, link_b)) + inputs.suffix_s
+        missing = (ra.missing[m] - ra.missing[k]) + (rb.missing[n] - rb.missing[m])
+        ends.append(np.where(missing > 0, np.inf, end))
         dists.append(inputs.distortion[a] * j + inputs.distortion[b] * (n - m))
     end, dist = np.concatenate(ends), np.concatenate(dists)
     if inputs.budget_s is not None and (end <= inputs.budget_s).any():
@@ -110,28 +119,56 @@ def plan(inputs: PlanInputs) -> Plan:
     return _explicit(inputs, [TEXT] * k_i + [a] * j_i + [b] * (n - k_i - j_i))
 
 
+def _johnson(routes: dict[str, _Route], a: str, b: str) -> tuple[str, str]:
+    """The two levels in the order that finishes first (Johnson's rule, on a chunk's mean costs):
+    a level whose chunk the link brings faster than it decodes goes before one it brings slower;
+    of two the link brings faster, the one with less link time goes first; of two it brings
+    slower, the one with more decode time."""
+
+    def key(level: str) -> tuple[int, float]:
+        link, decode = routes[level].link[-1], routes[level].decode[-1]
+        return (0, link) if link < decode else (1, -decode)
+
+    return (a, b) if key(a) <= key(b) else (b, a)
+
+
+class _Route:
+    """Prefix sums of every chunk taking one level: ``link[p]`` and ``decode[p]`` are the seconds
+    of chunks ``[0, p)`` on the link and on the compute side, ``missing[p]`` how many of them lack
+    the level, and ``most[s, e]`` the largest ``link[p + 1] - decode[p]`` over ``p`` in ``[s, e)``
+    (-inf when empty): the chunk whose arrival, plus the decode from it on, ends a segment last."""
+
+    def __init__(self, chunks: list[ChunkCosts], level: str, rate_bps: float) -> None:
+        rate = max(rate_bps, 1.0)
+        self.link = _prefix_sums([c.bytes.get(level, 0) / rate for c in chunks])
+        self.decode = _prefix_sums([c.decode_s.get(level, 0.0) for c in chunks])
+        self.missing = _prefix_sums([float(level not in c.bytes) for c in chunks])
+        n = len(chunks)
+        late = self.link[1:] - self.decode[:-1]  # per chunk p
+        p = np.arange(n)
+        from_s = np.where(p[None, :] >= np.arange(n + 1)[:, None], late[None, :], -np.inf)
+        running = np.maximum.accumulate(from_s, axis=1) if n else from_s
+        self.most = np.concatenate((np.full((n + 1, 1), -np.inf), running), axis=1)
+
+
 def _prefix_sums(values: list[float]) -> np.ndarray:
     return np.concatenate(([0.0], np.cumsum(values)))
 
 
-def _sums(chunks: list[ChunkCosts], level: str) -> tuple[np.ndarray, np.ndarray]:
-    sizes = _prefix_sums([float(c.bytes.get(level, _MISSING)) for c in chunks])
-    return sizes, _prefix_sums([c.decode_s.get(level, 0.0) for c in chunks])
-
-
 def predict(inputs: PlanInputs, sources: list[str]) -> float:
-    """The time model for one explicit plan (the search above evaluates the same formula)."""
-    compute, link, last = _compute_start(inputs), inputs.link_busy_s, 0.0
+    """The time model for one explicit plan, step by step (the search above evaluates the same
+    pipeline in closed form)."""
+    start = _compute_start(inputs)
+    done, link = start, inputs.link_busy_s  # when the compute side and the link are free
     for chunk, source in zip(inputs.chunks, sources, strict=True):
         if source == TEXT:
-            compute += chunk.recompute_s
+            done += chunk.recompute_s  # text needs no fetch: it only waits for the chunks before it
             continue
         if source not in chunk.bytes:
             return float("inf")
         link += chunk.bytes[source] / max(inputs.rate_bps, 1.0)
-        last = chunk.decode_s.get(source, 0.0)
-        compute += last
-    return max(compute, link + last) + inputs.suffix_s
+        done = max(done, link) + chunk.decode_s.get(source, 0.0)
+    return done + inputs.suffix_s
 
 
 def _compute_start(inputs: PlanInputs) -> float:
