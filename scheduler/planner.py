@@ -147,7 +147,7 @@ class _Route:
         late = self.link[1:] - self.decode[:-1]  # per chunk p
         p = np.arange(n)
         from_s = np.where(p[None, :] >= np.arange(n + 1)[:, None], late[None, :], -np.inf)
-        running = np.maximum.accumulate(from_s, axis=1) if n else from_s
+        running = np.maximum.accumulate(from_s, axis=1)
         self.most = np.concatenate((np.full((n + 1, 1), -np.inf), running), axis=1)
 
 
