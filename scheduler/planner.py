@@ -21,13 +21,17 @@ compute side's total hid the link's, and the decoder then waited on the link
 for those chunks while the small ones queued behind).
 
 Candidate plans: the first ``k`` remaining chunks as text (prefilled while
-later chunks are still on the link), then ``j`` chunks at one level and the
-rest at another. Text first, then the chunks the link brings faster than they
-decode, then those it brings slower, is Johnson's rule for a two-stage flow
-shop: for given counts, the order that finishes first; each pair of levels
-is put in that order. An optimum of one budget over counts mixes at most two
-routes besides text, so this family holds the best plan while staying small
-(levels^2 * chunks^2 / 4 candidates, evaluated at once with numpy). Quality
+later chunks are still on the link), then ``j`` chunks at a level ``a`` and
+the rest at a lower level ``b``. An optimum of one budget over counts mixes at
+most two routes besides text, so this family holds the best plan of that
+order while staying small (levels^2 * chunks^2 / 4 candidates, evaluated at
+once with numpy). The better level goes first, although the order that
+finishes first for given counts (Johnson's rule for a two-stage flow shop)
+puts the chunks the link brings slower than they decode last: that order
+pays only when the link fetches them far ahead, during the earlier chunks'
+decodes, and the loader keeps one or two fetches in flight. Tried, it kept
+deferring a local disk's lossless chunks behind `medium` ones, plan after
+plan, and a fresh process's stored load took 0.37 s against 0.22 s. Quality
 loss is the sum of the chunks' level distortions (0 = exact; text is exact):
 measured KL divergence per level where the level table has it, which grows
 much faster than linearly from one level to the next, so one lossless and one
@@ -90,11 +94,11 @@ def plan(inputs: PlanInputs) -> Plan:
     k, j = (g.ravel() for g in np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij"))
     keep = (k + j <= n) & ((k == 0) | inputs.allow_text)
     k, j = k[keep], j[keep]
-    m = k + j  # chunks [k, m) at level a, [m, n) at level b
+    m = k + j  # chunks [k, m) at level a, [m, n) at the lower level b
 
     start = _compute_start(inputs)
     routes = {level: _Route(inputs.chunks, level, inputs.rate_bps) for level in levels}
-    pairs = [_johnson(routes, a, b) for a, b in itertools.combinations(levels, 2)] or [(levels[0],) * 2]
+    pairs = list(itertools.combinations(levels, 2)) or [(levels[0], levels[0])]
     ends, dists = [], []  # per pair, one entry per (k, j)
     for a, b in pairs:
         ra, rb = routes[a], routes[b]
@@ -117,19 +121,6 @@ def plan(inputs: PlanInputs) -> Plan:
     a, b = pairs[pair]
     k_i, j_i = int(k[at]), int(j[at])
     return _explicit(inputs, [TEXT] * k_i + [a] * j_i + [b] * (n - k_i - j_i))
-
-
-def _johnson(routes: dict[str, _Route], a: str, b: str) -> tuple[str, str]:
-    """The two levels in the order that finishes first (Johnson's rule, on a chunk's mean costs):
-    a level whose chunk the link brings faster than it decodes goes before one it brings slower;
-    of two the link brings faster, the one with less link time goes first; of two it brings
-    slower, the one with more decode time."""
-
-    def key(level: str) -> tuple[int, float]:
-        link, decode = routes[level].link[-1], routes[level].decode[-1]
-        return (0, link) if link < decode else (1, -decode)
-
-    return (a, b) if key(a) <= key(b) else (b, a)
 
 
 class _Route:

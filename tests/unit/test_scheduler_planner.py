@@ -34,12 +34,17 @@ def inputs(n: int = 8, rate_mbps: float = 200, budget: float | None = None, **kw
     )
 
 
-def best_by_sequence(inp: PlanInputs) -> tuple[float, float]:
-    """Brute force over every sequence of routes, in any order (the time model depends on it)."""
+def best_by_counts(inp: PlanInputs) -> tuple[float, float]:
+    """Brute force over every count of chunks per route, in the planner's order: text, then the
+    levels best first (the time model is the step-by-step ``predict``)."""
+    n = len(inp.chunks)
     routes = [TEXT, *inp.levels]
     best = None
-    for sources in itertools.product(routes, repeat=len(inp.chunks)):
-        t = predict(inp, list(sources))
+    for counts in itertools.product(range(n + 1), repeat=len(routes)):
+        if sum(counts) != n:
+            continue
+        sources = [r for r, c in zip(routes, counts) for _ in range(c)]
+        t = predict(inp, sources)
         d = sum(RANKS[s] for s in sources if s != TEXT)
         key = (d, t) if inp.budget_s is not None and t <= inp.budget_s else (float("inf"), t)
         if best is None or key < best:
@@ -53,7 +58,7 @@ def test_budget_is_met_with_the_best_quality_that_fits(rate, budget):
     inp = inputs(n=5, rate_mbps=rate, budget=budget)
     chosen = plan(inp)
     assert chosen.predicted_s == pytest.approx(predict(inp, chosen.sources))
-    best_distortion, best_time = best_by_sequence(inp)
+    best_distortion, best_time = best_by_counts(inp)
     if best_distortion == float("inf"):  # nothing fits: the fastest plan of all
         assert chosen.predicted_s == pytest.approx(best_time)
     else:
@@ -84,7 +89,7 @@ def test_no_budget_takes_the_fastest_plan_within_the_levels_given():
         inp = inputs(n=8, rate_mbps=rate, levels=floor)
         chosen = plan(inp)
         assert "low" not in chosen.sources
-        assert chosen.predicted_s == pytest.approx(best_by_sequence(inp)[1])
+        assert chosen.predicted_s == pytest.approx(best_by_counts(inp)[1])
 
 
 def test_memory_hot_lossless_is_chosen_when_no_slower():
@@ -116,35 +121,51 @@ def test_empty_plan():
     assert plan(inputs(n=0, chunk_costs=[], budget=1.0)).sources == []
 
 
-def test_chunks_the_link_brings_slower_than_they_decode_go_last():
+def test_an_upgrade_the_link_cannot_hide_is_not_taken():
     # 200 Mbit/s, as in adaptive_bench: a medium chunk arrives faster than it decodes, a high
-    # one slower, and high decodes a little faster on this profile. Large chunks first leave the
-    # decoder waiting on the link at the start, with the small ones queued behind them.
+    # one slower, and high decodes a little faster on this profile. The compute side's total
+    # hides the link's total, but the decoder waits for the high chunks at the start.
     costs = [ChunkCosts({"high": 1_000_000, "medium": 440_000}, {"high": 0.024, "medium": 0.025}, 0.8)] * 17
     inp = inputs(rate_mbps=200, levels=["high", "medium"], chunk_costs=costs)
-    high_first = predict(inp, ["high"] * 5 + ["medium"] * 12)
-    high_last = predict(inp, ["medium"] * 12 + ["high"] * 5)
-    assert high_first > high_last + 0.05
-    chosen = plan(inp)
-    first_high = chosen.sources.index("high") if "high" in chosen.sources else len(costs)
-    assert all(s == "high" for s in chosen.sources[first_high:])
-    assert chosen.predicted_s <= predict(inp, ["medium"] * 17) + 1e-9
+    all_medium = predict(inp, ["medium"] * 17)
+    assert predict(inp, ["high"] * 5 + ["medium"] * 12) > all_medium + 0.05
+    assert plan(inp).sources == ["medium"] * 17
 
 
-@pytest.mark.parametrize("seed", range(24))
-def test_the_closed_form_finds_the_fastest_order(seed):
-    # random costs, the same for every chunk at a level, and a recompute that grows with the
-    # position (as attention's does): the fastest sequence of all is always in the family
-    rng = random.Random(seed)
-    sizes = {lv: rng.uniform(0.1e6, 3e6) for lv in LEVELS[1:]}
-    decode = {lv: rng.uniform(0.005, 0.05) for lv in LEVELS[1:]}
-    recompute = rng.uniform(0.05, 0.3)
-    costs = [ChunkCosts(dict(sizes), dict(decode), recompute * (1 + 0.1 * i)) for i in range(5)]
-    inp = inputs(
-        rate_mbps=rng.choice([20, 200, 1000]),
-        levels=LEVELS[1:],
-        chunk_costs=costs,
-        link_busy_s=rng.choice([0.0, 0.05]),
-        compute_busy_s=rng.choice([0.0, 0.08]),
-    )
-    assert plan(inp).predicted_s == pytest.approx(best_by_sequence(inp)[1])
+def test_the_closed_form_is_the_step_by_step_pipeline():
+    # every candidate's end, as the search computes it, against ``predict`` on its sequence
+    rng = random.Random(0)
+    for _ in range(40):
+        n = rng.randint(1, 7)
+        sizes = {lv: rng.uniform(0.1e6, 12e6) for lv in LEVELS}
+        decode = {lv: rng.uniform(0.002, 0.05) for lv in LEVELS}
+        costs = [ChunkCosts(dict(sizes), dict(decode), rng.uniform(0.05, 0.3)) for _ in range(n)]
+        inp = inputs(
+            rate_mbps=rng.choice([20, 200, 1000, 8000]),
+            chunk_costs=costs,
+            link_busy_s=rng.choice([0.0, 0.05]),
+            compute_busy_s=rng.choice([0.0, 0.08]),
+            budget=rng.choice([None, 0.2, 0.5]),
+        )
+        chosen = plan(inp)
+        assert chosen.predicted_s == pytest.approx(predict(inp, chosen.sources))
+        best_distortion, best_time = best_by_counts(inp)
+        if inp.budget_s is None or best_distortion == float("inf"):
+            assert chosen.predicted_s == pytest.approx(best_time)
+        else:
+            assert chosen.distortion == pytest.approx(best_distortion)
+
+
+def test_the_better_level_goes_first():
+    # the loader keeps one or two fetches in flight, so chunks planned for the end are never
+    # fetched ahead; a plan with the large chunks last was re-planned after each chunk into putting
+    # them off again (a fresh gateway then loaded a local disk's prefix as medium, 0.37 s against
+    # 0.22 s lossless)
+    order = [TEXT, *LEVELS]
+    mixed = 0
+    for rate in [50, 200, 1000]:
+        for budget in [0.3, 0.6, 1.0, 2.0]:
+            chosen = plan(inputs(n=8, rate_mbps=rate, budget=budget))
+            assert chosen.sources == sorted(chosen.sources, key=order.index)
+            mixed += len(set(chosen.sources)) > 1
+    assert mixed >= 3
