@@ -92,7 +92,7 @@ class Method:
     name: str
     extra: dict[str, Any]  # request extension fields
     table: str = "baselines"  # the gateway's level table: a key of TABLES
-    lru: bool = False  # in-memory LRU on (else every read goes over the link)
+    lru: bool = False  # the memory tiers on: the encoded-bytes LRU and the prefix cache of decoded KV
     warm_up: bool = False  # one request before the measured one, in the same process
 
 
@@ -133,8 +133,9 @@ class Bench:
             "CACHEGEN_LOG_LEVEL": self.log_level,
         }
         env["CACHEGEN_LEVELS_FILE"] = str(REPO / TABLES[table])
-        if not lru:
+        if not lru:  # every request loads over the link, also the trace's after the first
             env["CACHEGEN_STORE_CACHE_BYTES"] = "0"
+            env["CACHEGEN_PREFIX_CACHE"] = "0"
         if self.torch_threads is not None:
             env["CACHEGEN_TORCH_THREADS"] = str(self.torch_threads)
         return env
