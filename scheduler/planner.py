@@ -30,7 +30,7 @@ finishes first for given counts (Johnson's rule for a two-stage flow shop)
 puts the chunks the link brings slower than they decode last: that order
 pays only when the link fetches them far ahead, during the earlier chunks'
 decodes, and the loader keeps one or two fetches in flight. Tried, it kept
-deferring a local disk's lossless chunks behind `medium` ones, plan after
+deferring a local disk's lossless chunks behind ``medium`` ones, plan after
 plan, and a fresh process's stored load took 0.37 s against 0.22 s. Quality
 loss is the sum of the chunks' level distortions (0 = exact; text is exact):
 measured KL divergence per level where the level table has it, which grows
