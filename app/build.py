@@ -66,7 +66,7 @@ def _stage(what: str) -> Iterator[None]:
 
 def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway:
     threads = thread_budget(settings.torch_threads, settings.numba_threads)
-    configure_threads(threads)
+    configure_threads(threads, codec_layer=settings.codec_threading_layer)
     with _stage(f"loading the model {settings.model or 'default'}"):
         loaded = load_model(
             settings.model,

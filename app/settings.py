@@ -87,6 +87,11 @@ class Settings(BaseSettings):
             " quarter of them, at least 1 (app/threads.py)"
         ),
     )
+    codec_threading_layer: Literal["auto", "tbb", "workqueue"] = Field(
+        "auto",
+        description="numba's threading layer for the codec: 'auto' is TBB where the tbb package loads, "
+        "else numba's workqueue (app/threads.py)",
+    )
 
     # KV store
     store: str = Field(

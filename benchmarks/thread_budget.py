@@ -112,7 +112,9 @@ def main() -> None:
     args = p.parse_args()
     import numba
 
-    numba.config.THREADING_LAYER = "workqueue"  # as the gateway configures it
+    from app.threads import use_codec_layer
+
+    use_codec_layer()  # as the gateway configures it
     top = min(cores, numba.config.NUMBA_NUM_THREADS)
     counts = sorted({1, max(1, cores // 2), top})
     pairs = [(t, n) for t in counts for n in counts]
