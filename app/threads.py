@@ -37,8 +37,8 @@ numba's threading layer (``use_codec_layer``): TBB where it loads, else
 numba's own workqueue, never its default OpenMP layer (see
 ``configure_threads``). With workqueue a codec worker was often late to a
 parallel region, so the region ran at one thread's speed: in the gateway a
-``medium`` chunk decoded in 11.7-11.8 ms (median), against 8.5-8.8 ms with TBB,
-and 7.5-11.5 ms from run to run in one process (docs/serving.md).
+``medium`` chunk decoded in 12.5 ms (median), against 9.3 ms with TBB
+(``benchmarks/gateway_decode.py``, docs/serving.md).
 """
 
 from __future__ import annotations
