@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+Setting = TypeVar("Setting")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,6 +24,25 @@ def baseline_worktree(revision: str, root: Path) -> Iterator[Path]:
         yield worktree
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, check=False)
+
+
+def alternate(
+    settings: dict[str, Setting], rounds: int, run: Callable[[str, Setting, int], dict[str, Any]]
+) -> dict[str, list[dict[str, Any]]]:
+    """``run(name, setting, round)`` for each side once per round, each side first in turn, so that
+    an effect of the order lands on neither side. Returns each side's results, printed as they come."""
+    sides: dict[str, list[dict[str, Any]]] = {name: [] for name in settings}
+    order = list(settings.items())
+    for r in range(rounds):
+        for name, setting in order if r % 2 == 0 else order[::-1]:
+            sides[name].append(run(name, setting, r))
+            print(f"round {r} {name}: {sides[name][-1]}", flush=True)
+    return sides
+
+
+def medians(sides: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Each side's median of every measure over its rounds."""
+    return {side: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for side, rows in sides.items()}
 
 
 def report(out: Path, revision: str, sides: dict[str, list[dict[str, Any]]], summary: dict[str, dict[str, float]]) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.ab import REPO, report
+from benchmarks.ab import REPO, alternate, medians, report
 from benchmarks.setting_ab import parse_env
 from benchmarks.stored_load import store_contexts
 from benchmarks.vs_vllm import DEFAULT_MODEL_NAME, LICENCE, QUESTIONS, context_messages, gateway_env
@@ -47,8 +47,8 @@ def one_side(env: dict[str, str], text: str, args: argparse.Namespace, log: Path
             response = client.post("/v1/chat/completions", json=body)
             response.raise_for_status()
             info = response.json()["kv_cache_info"]
-            whole = [c["decode_ms"] for c in info["chunks"] if c["level"] == args.level and c["tokens"] == 256]
-            decode += whole
+            whole = (c for c in info["chunks"] if c["level"] == args.level and c["tokens"] == 256)
+            decode += [c["decode_ms"] for c in whole]
             prefill.append(info["prefill_ms"])
             requests += 1
     return {
@@ -71,17 +71,12 @@ def main() -> None:
     env = gateway_env(convert_default_model(default_cache_dir()), "float32", root / "store")
     text = LICENCE.read_text()[:17000]
     store_contexts(env, [text], root / "encode.log")
-    settings = {"baseline": env | parse_env(args.baseline_env), "this": env | parse_env(args.env)}
-    sides: dict[str, list[dict[str, Any]]] = {"baseline": [], "this": []}
-    for r in range(args.rounds):
-        for name in ("baseline", "this") if r % 2 == 0 else ("this", "baseline"):
-            result = one_side(settings[name], text, args, root / f"{name}-{r}.log")
-            sides[name].append(result)
-            print(f"round {r} {name}: {result}", flush=True)
-    keys = ("decode_ms_per_chunk", "prefill_ms", "requests")
-    summary = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in sides.items()}
-    report(args.out, " ".join(args.baseline_env), sides, summary)
-
+    sides = alternate(
+        {"baseline": env | parse_env(args.baseline_env), "this": env | parse_env(args.env)},
+        args.rounds,
+        lambda name, side_env, r: one_side(side_env, text, args, root / f"{name}-{r}.log"),
+    )
+    report(args.out, " ".join(args.baseline_env), sides, medians(sides))
 
 if __name__ == "__main__":
     main()

@@ -15,12 +15,11 @@ report gives the medians of each side and their ratios (this / baseline).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.ab import report
+from benchmarks.ab import alternate, medians, report
 from benchmarks.vs_vllm import LICENCE, gateway_env, peak_rss_gb, run_all
 from engine.loading import convert_default_model, default_cache_dir
 from tests.gateway_process import GatewayProcess
@@ -54,15 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/setting_ab.json"))
     args = parser.parse_args(argv)
     text = LICENCE.read_text()[:17000]
-    sides: dict[str, list[dict]] = {"baseline": [], "this": []}
     with tempfile.TemporaryDirectory() as tmp:
-        pair = [("baseline", parse_env(args.baseline_env)), ("this", parse_env(args.env))]
-        for r in range(args.rounds):
-            for side, env in pair if r % 2 == 0 else pair[::-1]:  # each side goes first in turn
-                sides[side].append(one_gateway(env, text, args, Path(tmp)))
-                print(f"round {r} {side}: {sides[side][-1]}", flush=True)
-    summary = {side: {k: statistics.median(row[k] for row in rows) for k in rows[0]} for side, rows in sides.items()}
-    report(args.out, " ".join(args.baseline_env), sides, summary)
+        sides = alternate(
+            {"baseline": parse_env(args.baseline_env), "this": parse_env(args.env)},
+            args.rounds,
+            lambda _, env, __: one_gateway(env, text, args, Path(tmp)),
+        )
+    report(args.out, " ".join(args.baseline_env), sides, medians(sides))
     return 0
 
 
