@@ -21,7 +21,11 @@ Steps (each measured on the model, nothing hard-coded per model):
    the scale search. Step 2 reads prose, which does not exercise retrieval over
    a long context; ``benchmarks/layer_retrieval.py`` finds the layers whose
    noise costs pass-key retrieval (docs/codec.md, "Pass-key: the layer the
-   calibration could not see").
+   calibration could not see");
+6. with ``--salient FRACTION:STEP`` (scheme 5): every transform level codes
+   the FRACTION of each chunk's tokens whose keys carry the most energy with
+   steps STEP times finer, and the scale search then coarsens the rest to
+   keep the bit budget (docs/codec.md, "Salient tokens").
 
 The calibration text is not one of the benchmark texts.
 """
@@ -109,14 +113,20 @@ def quant_level(name: str, key_step, value_step, rms: np.ndarray | None) -> Leve
     return Level(name, Scheme.QUANT, lossless=False, quant=params)
 
 
-def transform_level(name: str, transform: KVTransform, key_step, value_step) -> Level:
+def transform_level(
+    name: str, transform: KVTransform, key_step, value_step, salient: tuple[float, float] | None = None
+) -> Level:
+    """``salient``: (fraction, step ratio) of scheme 5, or None for scheme 4."""
+    fraction, ratio = salient or (0.0, 1.0)
     params = TransformParams(
         transform=transform,
         key_step=tuple(float(v) for v in np.atleast_1d(key_step)),
         value_step=tuple(float(v) for v in np.atleast_1d(value_step)),
         sink_tokens=SINK_TOKENS,
+        salient_fraction=fraction,
+        salient_step=ratio,
     )
-    return Level(name, Scheme.TRANSFORM, lossless=False, quant=params)
+    return Level(name, Scheme.SALIENT if salient else Scheme.TRANSFORM, lossless=False, quant=params)
 
 
 def calibrate_transform(runner, token_ids: list[int], key_weight: np.ndarray, model: str = "") -> KVTransform:
@@ -268,10 +278,12 @@ def calibrate(
     sensitivity: np.ndarray | None = None,
     transform: tuple[KVTransform, str] | None = None,
     layer_factors: dict[int, float] | None = None,
+    salient: tuple[float, float] | None = None,
 ) -> dict:
     """The level table. ``transform``: (the transform, its file name beside the table): the lossy
     levels are then transform levels, placed by ``TRANSFORM_TARGETS``. ``layer_factors``: a
-    multiplier of some layers' steps (step 5)."""
+    multiplier of some layers' steps (step 5). ``salient``: (fraction, step ratio) of every
+    transform level (step 6)."""
     from engine.quality import query_channel_rms, reference_continuation
 
     ids = calibration_tokens(runner, texts, prefix + continuation)
@@ -291,8 +303,10 @@ def calibrate(
     if transform is not None:
         t, file_name = transform
         targets, scheme = TRANSFORM_TARGETS, "transform"
-        make_level = lambda name, k, v: transform_level(name, t, k, v)
+        make_level = lambda name, k, v: transform_level(name, t, k, v, salient)
         extra = {"sink_tokens": SINK_TOKENS}
+        if salient:
+            extra |= {"salient_fraction": salient[0], "salient_step": salient[1]}
     for target in targets:
         scale, m = search_scale(
             runner, [ref], target, key_steps, value_steps, rms, make_level=make_level, seen=seen
@@ -384,9 +398,26 @@ def main(argv: list[str]) -> int:
         metavar="LAYER=FACTOR",
         help="multiply one layer's steps by FACTOR (0 < FACTOR <= 4) before the scale search",
     )
+    parser.add_argument(
+        "--salient",
+        metavar="FRACTION:STEP",
+        help="with --transform: code this fraction of each chunk's tokens (the keys with the most "
+        "energy) with steps STEP times finer (scheme 5), for example 0.05:0.4",
+    )
     args = parser.parse_args(argv)
     if args.transform_from and not args.transform:
         parser.error("--transform-from needs --transform")
+    salient = None
+    if args.salient:
+        if not args.transform:
+            parser.error("--salient needs --transform")
+        try:
+            fraction, ratio = (float(v) for v in args.salient.split(":"))
+        except ValueError:
+            parser.error(f"--salient takes FRACTION:STEP, got {args.salient!r}")
+        if not (0 < fraction < 1 and 2.0**-16 <= ratio < 1):
+            parser.error("--salient: FRACTION and STEP must be in (0, 1)")
+        salient = (fraction, ratio)
     try:
         factors = layer_factor_args(args.finer_layer)
     except ValueError as e:
@@ -420,7 +451,9 @@ def main(argv: list[str]) -> int:
         save_transform(t, args.out.parent / file_name)
         log.info("wrote the transform %s (%s)", file_name, t.id.hex())
         transform = (t, file_name)
-    table = calibrate(runner, texts, args.prefix_tokens, args.continuation_tokens, sens, transform, factors)
+    table = calibrate(
+        runner, texts, args.prefix_tokens, args.continuation_tokens, sens, transform, factors, salient
+    )
     load_level_table(table, args.out.parent)  # what we write must load
     args.out.write_text(format_table(table), encoding="utf-8")
     log.info("wrote %s", args.out)

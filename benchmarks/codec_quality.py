@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from app.calibrate import round_trip_chunks
-from codec import DEFAULT_LEVELS, Level, Scheme, encode_chunk, load_level_table
+from codec import DEFAULT_LEVELS, TRANSFORM_SCHEMES, Level, Scheme, encode_chunk, load_level_table
 
 log = logging.getLogger("codec_quality")
 BASELINE_8BIT = 8.0  # the paper's baseline stored raw: 8 bits per value
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> dict:
         for lv in levels:
             if lv.lossless:
                 continue
-            if args.inverse == "both" and lv.scheme is Scheme.TRANSFORM:
+            if args.inverse == "both" and lv.scheme in TRANSFORM_SCHEMES:
                 methods[f"{prefix}{lv.name}/fp32-inv"] = level_method(lv, inverse_bf16=False)
                 methods[f"{prefix}{lv.name}/bf16-inv"] = level_method(lv, inverse_bf16=True)
             else:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import zstandard
 
-from codec import DEFAULT_LEVELS, Scheme, decode_chunk, encode_chunk, load_level_table, quantized, rans
+from codec import DEFAULT_LEVELS, TRANSFORM_SCHEMES, Scheme, decode_chunk, encode_chunk, load_level_table, quantized, rans
 from codec.container import unpack
 from codec.entropy_model import bank
 from codec.levels import V4_TABLE_FILE, shipped_level_table
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         if level.scheme is Scheme.QUANT:
             entry |= efficiency(data)
-        if level.scheme is Scheme.TRANSFORM:
+        if level.scheme in TRANSFORM_SCHEMES:
             entry |= inverse_precisions(data, kv, args.repeat)
         results[name] = entry
     zstd_dec = results["zstd-1 on fp16"]["decode_mb_s"]

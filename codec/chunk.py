@@ -11,7 +11,7 @@ import torch
 from codec import container, int8, lossless, quantized, transformed
 from codec.backends import decode_chunk_into
 from codec.dtypes import dtype_code
-from codec.levels import Level, Scheme
+from codec.levels import TRANSFORM_SCHEMES, Level, Scheme
 from codec.parsed import DenseBody, Transforms, parse_chunk
 
 
@@ -32,8 +32,10 @@ def encode_chunk(kv: torch.Tensor, level: Level, position: int = 0) -> bytes:
         payload = quantized.encode(kv, level.quant)
     elif level.scheme is Scheme.INT8:
         payload = int8.encode(kv)
-    elif level.scheme is Scheme.TRANSFORM:
-        if not isinstance(level.quant, transformed.TransformParams):
+    elif level.scheme in TRANSFORM_SCHEMES:
+        if not isinstance(level.quant, transformed.TransformParams) or (
+            level.quant.salient != (level.scheme is Scheme.SALIENT)
+        ):
             raise ValueError(f"level {level.name!r} has no transform parameters")
         payload = transformed.encode(kv, level.quant, position)
     else:  # pragma: no cover - every scheme is handled above

@@ -22,7 +22,7 @@ from codec import container, int8, lossless, quantized, transformed
 from codec.dtypes import code_dtype
 from codec.errors import CodecError
 from codec.int8 import Int8Body
-from codec.levels import Scheme, loaded_transforms
+from codec.levels import TRANSFORM_SCHEMES, Scheme, loaded_transforms
 from codec.quantized import QuantBody
 from codec.transform import KVTransform
 from codec.transformed import TransformBody
@@ -109,11 +109,15 @@ def parse_chunk(
         body = quantized.parse(payload, header.shape, header.version)
     elif scheme is Scheme.INT8:
         body = int8.parse(payload, header.shape)
-    elif scheme is Scheme.TRANSFORM:
+    elif scheme in TRANSFORM_SCHEMES:
         if header.version < 5:
-            raise CodecError(f"scheme 4 is not part of format {header.version}")
+            raise CodecError(f"scheme {int(scheme)} is not part of format {header.version}")
         body = transformed.parse(
-            payload, header.shape, header.version, loaded_transforms() if transforms is None else transforms
+            payload,
+            header.shape,
+            header.version,
+            loaded_transforms() if transforms is None else transforms,
+            salient=scheme is Scheme.SALIENT,
         )
     else:  # pragma: no cover - every scheme is handled above
         raise CodecError(f"no decoder for scheme {scheme.name}")

@@ -43,6 +43,11 @@ class Scheme(enum.IntEnum):
     QUANT = 2
     INT8 = 3
     TRANSFORM = 4  # from format 5
+    SALIENT = 5  # scheme 4 with finer steps for salient tokens; added within format 5
+
+
+# the schemes that code a transform's coefficients (and decode through its inverse)
+TRANSFORM_SCHEMES = (Scheme.TRANSFORM, Scheme.SALIENT)
 
 
 @dataclass(frozen=True)
@@ -83,10 +88,13 @@ _LEVEL_KEYS = {
     "exact_tokens",
     "sink_tokens",
     "groups",
+    "salient_fraction",
+    "salient_step",
     "dtype",
     "comment",
 }
 _QUANT_KEYS = {"key_step", "value_step", "exact_tokens", "groups", "sink_tokens"}
+_SALIENT_KEYS = {"salient_fraction", "salient_step"}
 
 
 def _steps(entry: dict[str, Any], key: str, where: str) -> tuple[float, ...]:
@@ -105,6 +113,22 @@ def _int(entry: dict[str, Any], key: str, default: int, lo: int, hi: int, where:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise LevelTableError(f"{where}: {key} must be an integer in [{lo}, {hi}], got {v!r}")
     return v
+
+
+def _salient(entry: dict[str, Any], where: str) -> tuple[float, float]:
+    """A transform level's (salient_fraction, salient_step): both or neither (0, 1: scheme 4)."""
+    given = set(entry) & _SALIENT_KEYS
+    if not given:
+        return 0.0, 1.0
+    if given != _SALIENT_KEYS:
+        raise LevelTableError(f"{where}: salient_fraction and salient_step go together")
+    fraction, ratio = entry["salient_fraction"], entry["salient_step"]
+    for key, v in (("salient_fraction", fraction), ("salient_step", ratio)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1:
+            raise LevelTableError(f"{where}: {key} must be a number in (0, 1), got {v!r}")
+    if ratio < 2.0**-16:
+        raise LevelTableError(f"{where}: salient_step {ratio} is finer than a step code can say (2^-16)")
+    return float(fraction), float(ratio)
 
 
 def _cast(entry: dict[str, Any], where: str) -> torch.dtype | None:
@@ -161,16 +185,20 @@ def _level(entry: Any, rms: np.ndarray | None, index: int, transform: KVTransfor
             raise LevelTableError(f"{where}: a transform level needs the table's transform")
         if "exact_tokens" in entry:
             raise LevelTableError(f"{where}: a transform level keeps sink_tokens exact, not exact_tokens")
+        fraction, ratio = _salient(entry, where)
         tparams = TransformParams(
             transform=transform,
             key_step=key_step,
             value_step=value_step,
             sink_tokens=_int(entry, "sink_tokens", 4, 0, 65535, where),
             groups=_int(entry, "groups", DEFAULT_GROUPS, 1, 255, where),
+            salient_fraction=fraction,
+            salient_step=ratio,
         )
-        return Level(name, Scheme.TRANSFORM, lossless=False, quant=tparams)
-    if "sink_tokens" in entry:
-        raise LevelTableError(f"{where}: sink_tokens applies to transform levels only")
+        scheme_of = Scheme.SALIENT if tparams.salient else Scheme.TRANSFORM
+        return Level(name, scheme_of, lossless=False, quant=tparams)
+    if "sink_tokens" in entry or set(entry) & _SALIENT_KEYS:
+        raise LevelTableError(f"{where}: sink_tokens and salient_* apply to transform levels only")
     params = QuantParams(
         key_step=key_step,
         value_step=value_step,
@@ -285,6 +313,8 @@ def level_digest(level: Level) -> str:
     q = level.quant
     if isinstance(q, TransformParams):
         h.update(repr((q.key_step, q.value_step, q.sink_tokens, q.groups)).encode())
+        if q.salient:  # absent for scheme 4, so its digests are what they were
+            h.update(repr((q.salient_fraction, q.salient_step)).encode())
         h.update(q.transform.digest)
     elif q is not None:
         h.update(repr((q.key_step, q.value_step, q.exact_tokens, q.groups)).encode())

@@ -36,13 +36,13 @@ def test_golden_chunk_decodes_to_its_tensor(name: str) -> None:
     expected = np.frombuffer((GOLDEN / f"{name}.out").read_bytes(), dtype=_NUMPY[out.dtype])
     got = out.contiguous().view(torch.int16) if out.dtype == torch.bfloat16 else out.contiguous()
     got = got.numpy().reshape(-1).view(expected.dtype)
-    if read_header(data).scheme == 4:  # the inverse transform is a matmul, in the device's precision
+    if read_header(data).scheme in (4, 5):  # the inverse transform is a matmul, in the device's precision
         _assert_inverse_close(got, expected, bf16_inverse(out.device))
     else:
         assert np.array_equal(got, expected)
 
 
-TRANSFORM_NAMES = [name for name in NAMES if name.startswith("transform")]
+TRANSFORM_NAMES = [name for name in NAMES if name.startswith(("transform", "salient"))]
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -81,6 +81,27 @@ def test_transform_goldens_hold_both_sink_cases() -> None:
     assert not torch.equal(far[:, :, :, :4], kv[:, :, :, :4].half().float())
     for out in (sinks, far):
         assert (out - kv).norm() < 0.01 * kv.norm()  # steps of 0.05-0.2 against a spread of +-7
+
+
+def test_salient_goldens_name_their_tokens_and_code_them_finer() -> None:
+    """Scheme 5: per layer, ceil(0.2 x coded tokens) salient tokens, none of them exact, and at
+    a quarter of the step they decode closer to the input than scheme 4's chunk of the same KV."""
+    t = generate.transforms()
+    kv = generate.golden_kv()
+    for name, exact in (("salient_sinks", 4), ("salient_far", 0)):
+        data = (GOLDEN / f"{name}.bin").read_bytes()
+        chunk = parse_chunk(data, transforms=t)
+        assert read_header(data).scheme == 5 and chunk.body.salient_ratio == 0.25
+        layer, token = chunk.body.salient
+        coded = generate.SHAPE[3] - exact
+        assert np.array_equal(np.bincount(layer, minlength=2), [-(-coded // 5)] * 2)
+        assert token.min() >= exact
+        out = decode_chunk(data, t, inverse_bf16=False)  # bf16's rounding would hide the steps
+        plain_data = (GOLDEN / f"{name.replace('salient', 'transform')}.bin").read_bytes()
+        plain = decode_chunk(plain_data, t, inverse_bf16=False)
+        for lay, tok in zip(layer, token, strict=True):
+            err = (out[lay, :, :, tok] - kv[lay, :, :, tok]).norm()
+            assert err < (plain[lay, :, :, tok] - kv[lay, :, :, tok]).norm()
 
 
 def test_old_goldens_are_there_and_say_their_version() -> None:

@@ -13,6 +13,8 @@ milliseconds per operation of a kernel's loop.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import os
 import subprocess
 import sys
@@ -126,10 +128,10 @@ def test_real_model_kv_at_every_level(dtype: torch.dtype) -> None:
 
 @in_process
 def test_golden_chunks_of_every_format_in_one_batch() -> None:
-    """Formats 3, 4 and 5, scheme 4 (transform) among them, decoded in one launch."""
+    """Formats 3, 4 and 5, schemes 4 and 5 (transform, salient tokens) among them, in one launch."""
     files = sorted(GOLDEN.glob("*.bin")) + sorted(GOLDEN.glob("v4/*.bin")) + sorted(GOLDEN.glob("v3/*.bin"))
     chunks = [f.read_bytes() for f in files if f.name != "model_kv.bin"]
-    assert len(chunks) >= 22 and sum(read_header(c).scheme == 4 for c in chunks) == 2
+    assert len(chunks) >= 24 and [sum(read_header(c).scheme == s for c in chunks) for s in (4, 5)] == [2, 2]
     check_batch(chunks, torch.float32, transforms=golden_transforms())
 
 
@@ -166,16 +168,20 @@ def transform_level(layers: int, heads: int, dim: int, groups: int, sinks: int) 
 def test_transform_chunks_mixed_with_format4_schemes(
     heads: int, dim: int, groups: int, sinks: int, tokens: int
 ) -> None:
-    """Scheme-4 chunks at a context's start and far into it, beside scheme-2 and int8 chunks: the
-    integers decode bit for bit alike, and the inverse transform is the same torch code."""
+    """Scheme-4 and scheme-5 chunks at a context's start and far into it, beside scheme-2 and int8
+    chunks: the integers decode bit for bit alike, and the salient tokens' scaling and the inverse
+    transform are the same torch code."""
     level = transform_level(2, heads, dim, groups, sinks)
     assert isinstance(level.quant, TransformParams)
+    salient = Level("s", Scheme.SALIENT, False, replace(level.quant, salient_fraction=0.3, salient_step=0.5))
     transforms = {level.quant.transform.id: level.quant.transform}
     chunks = [
         encode_chunk(kv(tokens, 1, 2, heads, dim), level, position=0),
         encode_chunk(kv(tokens + 2, 2, 2, heads, dim), quant(groups, 1)),
         encode_chunk(kv(tokens, 3, 2, heads, dim), level, position=5000),
+        encode_chunk(kv(tokens + 1, 5, 2, heads, dim), salient, position=0),
         encode_chunk(kv(2, 4, 2, heads, dim), LEVELS["int8"]),
+        encode_chunk(kv(tokens, 6, 2, heads, dim), salient, position=700),
     ]
     for dtype in (torch.float32, torch.bfloat16):
         check_batch(chunks, dtype, pad=1, transforms=transforms)
