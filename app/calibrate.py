@@ -17,13 +17,13 @@ Steps (each measured on the model, nothing hard-coded per model):
    beside the table, and levels that code its coefficients, each the finest
    scale of the same per-layer steps that fits its bit budget
    (``TRANSFORM_TARGETS``);
-5. with ``--finer-layer LAYER=FACTOR``: that layer's steps times FACTOR before
-   the scale search. Step 2 reads prose, which does not exercise retrieval over
+5. with ``--finer-layer [LEVEL:]LAYER=FACTOR``: that layer's steps (at that
+   level, or at every one) times FACTOR before the scale search. Step 2 reads prose, which does not exercise retrieval over
    a long context; ``benchmarks/layer_retrieval.py`` finds the layers whose
    noise costs pass-key retrieval (docs/codec.md, "Pass-key: the layer the
    calibration could not see");
-6. with ``--salient FRACTION:STEP`` (scheme 5): every transform level codes
-   the FRACTION of each chunk's tokens whose keys carry the most energy with
+6. with ``--salient [LEVEL=]FRACTION:STEP`` (scheme 5): that transform level
+   (or every one) codes the FRACTION of each chunk's tokens whose keys carry the most energy with
    steps STEP times finer, and the scale search then coarsens the rest to
    keep the bit budget (docs/codec.md, "Salient tokens").
 
@@ -88,6 +88,7 @@ TRANSFORM_TARGETS = (
 )
 TRANSFORM_TOKENS = 4096  # calibration tokens for the PCA (192 x 192 covariances per group)
 SINK_TOKENS = 4  # a context's first positions, stored exactly by transform levels
+ALL_LEVELS = "*"  # per-level options (--finer-layer, --salient) given for every level
 
 
 def round_trip_chunks(
@@ -277,13 +278,14 @@ def calibrate(
     continuation: int,
     sensitivity: np.ndarray | None = None,
     transform: tuple[KVTransform, str] | None = None,
-    layer_factors: dict[int, float] | None = None,
-    salient: tuple[float, float] | None = None,
+    layer_factors: dict[str, dict[int, float]] | None = None,
+    salient: dict[str, tuple[float, float]] | None = None,
 ) -> dict:
     """The level table. ``transform``: (the transform, its file name beside the table): the lossy
-    levels are then transform levels, placed by ``TRANSFORM_TARGETS``. ``layer_factors``: a
-    multiplier of some layers' steps (step 5). ``salient``: (fraction, step ratio) of every
-    transform level (step 6)."""
+    levels are then transform levels, placed by ``TRANSFORM_TARGETS``. ``layer_factors``: per
+    level name, or ``ALL_LEVELS`` for every level, multipliers of some layers' steps (step 5; a
+    level's own multiply the ones for all). ``salient``: per level name or ``ALL_LEVELS``, the
+    (fraction, step ratio) of scheme 5 (step 6; a level's own replace the one for all)."""
     from engine.quality import query_channel_rms, reference_continuation
 
     ids = calibration_tokens(runner, texts, prefix + continuation)
@@ -291,23 +293,27 @@ def calibrate(
     rms = query_channel_rms(runner, ids[:prefix])
     ref = reference_continuation(runner, ids, prefix)
     sens = layer_sensitivity(runner, ref, rms) if sensitivity is None else sensitivity
-    key_steps, value_steps = layer_steps(sens)
-    factors = np.ones(runner.num_layers)
-    for layer, factor in (layer_factors or {}).items():
-        factors[layer] = factor
-    key_steps, value_steps = key_steps * factors, value_steps * factors
+    base_keys, base_values = layer_steps(sens)
+    layer_factors, salient = layer_factors or {}, salient or {}
     levels: list[dict] = [{"name": "lossless", "scheme": "raw"}]
     measured: dict[str, dict] = {}
-    seen: dict[float, dict[str, float]] = {}
-    targets, scheme, make_level, extra = TARGETS, "quant", None, {}
-    if transform is not None:
-        t, file_name = transform
-        targets, scheme = TRANSFORM_TARGETS, "transform"
-        make_level = lambda name, k, v: transform_level(name, t, k, v, salient)
-        extra = {"sink_tokens": SINK_TOKENS}
-        if salient:
-            extra |= {"salient_fraction": salient[0], "salient_step": salient[1]}
+    seen_by: dict[tuple, dict[float, dict[str, float]]] = {}  # scales measured, per configuration
+    targets = TRANSFORM_TARGETS if transform is not None else TARGETS
     for target in targets:
+        factors = np.ones(runner.num_layers)
+        for name in (ALL_LEVELS, target.name):
+            for layer, factor in layer_factors.get(name, {}).items():
+                factors[layer] *= factor
+        key_steps, value_steps = base_keys * factors, base_values * factors
+        scheme, make_level, extra = "quant", None, {}
+        own = salient.get(target.name, salient.get(ALL_LEVELS)) if transform is not None else None
+        if transform is not None:
+            t, file_name = transform
+            scheme, extra = "transform", {"sink_tokens": SINK_TOKENS}
+            make_level = lambda name, k, v, t=t, own=own: transform_level(name, t, k, v, own)  # noqa: E731
+            if own:
+                extra |= {"salient_fraction": own[0], "salient_step": own[1]}
+        seen = seen_by.setdefault((tuple(factors), own), {})
         scale, m = search_scale(
             runner, [ref], target, key_steps, value_steps, rms, make_level=make_level, seen=seen
         )
@@ -334,7 +340,11 @@ def calibrate(
             "prefix_tokens": prefix,
             "continuation_tokens": continuation,
             "sensitivity_kl": np.round(sens, 6).tolist(),
-            "layer_factors": {str(layer): factor for layer, factor in sorted((layer_factors or {}).items())},
+            "layer_factors": {
+                name: {str(layer): factor for layer, factor in sorted(per.items())}
+                for name, per in layer_factors.items()
+            },
+            "salient": {name: list(v) for name, v in salient.items()},
             "measured": measured,
         },
         "key_channel_rms": np.round(rms, 4).tolist(),
@@ -356,19 +366,36 @@ def format_table(table: dict) -> str:
     )
 
 
-def layer_factor_args(items: list[str]) -> dict[int, float]:
-    """``--finer-layer`` values, ``LAYER=FACTOR``, as {layer: factor}."""
-    factors: dict[int, float] = {}
+def layer_factor_args(items: list[str]) -> dict[str, dict[int, float]]:
+    """``--finer-layer`` values, ``[LEVEL:]LAYER=FACTOR``, as {level or ALL_LEVELS: {layer: factor}}."""
+    factors: dict[str, dict[int, float]] = {}
     for item in items:
-        layer, sep, factor = item.partition("=")
+        level, _, rest = item.rpartition(":")
+        layer, sep, factor = rest.partition("=")
         try:
             index, value = int(layer), float(factor)
         except ValueError:
-            raise ValueError(f"--finer-layer {item!r}: expected LAYER=FACTOR, as 4=0.5") from None
+            raise ValueError(f"--finer-layer {item!r}: expected [LEVEL:]LAYER=FACTOR, as 4=0.5") from None
         if not sep or index < 0 or not 0 < value <= MULTIPLIER_RANGE[1]:
             raise ValueError(f"--finer-layer {item!r}: a layer >= 0 and 0 < FACTOR <= {MULTIPLIER_RANGE[1]}")
-        factors[index] = value
+        factors.setdefault(level or ALL_LEVELS, {})[index] = value
     return factors
+
+
+def salient_args(items: list[str]) -> dict[str, tuple[float, float]]:
+    """``--salient`` values, ``[LEVEL=]FRACTION:STEP``, as {level or ALL_LEVELS: (fraction, step)}."""
+    out: dict[str, tuple[float, float]] = {}
+    for item in items:
+        level, _, rest = item.rpartition("=")
+        fraction, sep, step = rest.partition(":")
+        try:
+            f, r = float(fraction), float(step)
+        except ValueError:
+            raise ValueError(f"--salient {item!r}: expected [LEVEL=]FRACTION:STEP, as low=0.05:0.4") from None
+        if not sep or not 0 < f < 1 or not 2.0**-16 <= r < 1:
+            raise ValueError(f"--salient {item!r}: FRACTION in (0, 1) and STEP in [2^-16, 1)")
+        out[level or ALL_LEVELS] = (f, r)
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -400,34 +427,31 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--salient",
-        metavar="FRACTION:STEP",
+        action="append",
+        default=[],
+        metavar="[LEVEL=]FRACTION:STEP",
         help="with --transform: code this fraction of each chunk's tokens (the keys with the most "
-        "energy) with steps STEP times finer (scheme 5), for example 0.05:0.4",
+        "energy) with steps STEP times finer (scheme 5), at one level or all, for example low=0.05:0.4",
     )
     args = parser.parse_args(argv)
     if args.transform_from and not args.transform:
         parser.error("--transform-from needs --transform")
-    salient = None
-    if args.salient:
-        if not args.transform:
-            parser.error("--salient needs --transform")
-        try:
-            fraction, ratio = (float(v) for v in args.salient.split(":"))
-        except ValueError:
-            parser.error(f"--salient takes FRACTION:STEP, got {args.salient!r}")
-        if not (0 < fraction < 1 and 2.0**-16 <= ratio < 1):
-            parser.error("--salient: FRACTION and STEP must be in (0, 1)")
-        salient = (fraction, ratio)
+    if args.salient and not args.transform:
+        parser.error("--salient needs --transform")
     try:
         factors = layer_factor_args(args.finer_layer)
+        salient = salient_args(args.salient)
     except ValueError as e:
         parser.error(str(e))
+    names = {ALL_LEVELS} | {t.name for t in (TRANSFORM_TARGETS if args.transform else TARGETS)}
+    if unknown := (set(factors) | set(salient)) - names:
+        parser.error(f"no level named {sorted(unknown)}; the levels are {sorted(names - {ALL_LEVELS})}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     from engine import ModelRunner, load_model
 
     runner = ModelRunner(load_model(args.model))
-    if any(layer >= runner.num_layers for layer in factors):
+    if any(layer >= runner.num_layers for per in factors.values() for layer in per):
         parser.error(f"--finer-layer: the model has layers 0..{runner.num_layers - 1}")
     texts = [p.read_text(encoding="utf-8") for p in args.text] if args.text else default_texts()
     sens = None

@@ -30,7 +30,7 @@ import numpy as np
 
 from app.calibrate import round_trip_chunks
 from benchmarks.codec_quality import passkey_lengths
-from codec.levels import level_by_name
+from codec.levels import DEFAULT_LEVELS, level_by_name, load_level_table
 
 log = logging.getLogger("layer_retrieval")
 
@@ -40,7 +40,10 @@ def run(args: argparse.Namespace) -> dict:
     from engine.quality import passkey_answer_nll, passkey_task
 
     runner = ModelRunner(load_model())
-    level = level_by_name(args.level)
+    levels = DEFAULT_LEVELS
+    if args.levels_file:
+        levels = load_level_table(json.loads(args.levels_file.read_text()), args.levels_file.parent)
+    level = level_by_name(args.level, levels)
     layers = runner.num_layers
     trials = []
     for i, n in enumerate(passkey_lengths(args.trials)):
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--level", default="medium")
+    parser.add_argument("--levels-file", type=Path, help="the level table (default: the shipped one)")
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--seed", type=int, default=10_000)
     parser.add_argument("--top", type=int, default=8, help="layers to print")

@@ -282,8 +282,21 @@ def test_default_digests_are_unchanged() -> None:
         # the transform levels (format 5); the format-4 table's digests are pinned below
         "high": "1e51866f480477e0",
         "medium": "70b2994426456f2a",
+        "low": "18f4a9612998bd5e",  # scheme 5 (salient tokens); scheme 4's is pinned below
+    }
+
+
+def test_the_scheme4_table_is_the_one_scheme_5_replaced() -> None:
+    """``SmolLM2-135M-Instruct.scheme4.json``, kept for the benchmarks to measure beside the
+    default table: the same high and medium, and the scheme-4 low that stored chunks name."""
+    levels = load_level_table(shipped_level_table("SmolLM2-135M-Instruct.scheme4.json"))
+    assert {lv.name: level_digest(lv) for lv in levels} == {
+        "lossless": "ac0562bba4a57c68",
+        "high": "1e51866f480477e0",
+        "medium": "70b2994426456f2a",
         "low": "7df7e90dc3fdbdf4",
     }
+    assert all(lv.scheme is not Scheme.SALIENT for lv in levels)
 
 
 def test_format4_digests_are_unchanged() -> None:

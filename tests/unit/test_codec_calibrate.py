@@ -14,6 +14,7 @@ from app.calibrate import (
     PROBE_VALUE_STEP,
     format_table,
     layer_factor_args,
+    salient_args,
     layer_steps,
     quant_level,
     round_trip_chunks,
@@ -50,9 +51,18 @@ def test_written_table_is_compact_json_that_loads() -> None:
 
 
 def test_finer_layer_arguments_parse_and_refuse_what_they_cannot_mean() -> None:
-    assert layer_factor_args(["4=0.5", "11=0.75"]) == {4: 0.5, 11: 0.75}
+    assert layer_factor_args(["4=0.5", "11=0.75"]) == {"*": {4: 0.5, 11: 0.75}}
+    assert layer_factor_args(["4=0.6", "low:2=0.5", "low:4=0.9"]) == {"*": {4: 0.6}, "low": {2: 0.5, 4: 0.9}}
     assert layer_factor_args([]) == {}
-    for bad in ["4", "4=", "x=0.5", "-1=0.5", "4=0", "4=-1", "4=5", "4=nan"]:
+    for bad in ["4", "4=", "x=0.5", "-1=0.5", "4=0", "4=-1", "4=5", "4=nan", "low:", "low:x=1"]:
         with pytest.raises(ValueError, match="--finer-layer"):
             layer_factor_args([bad])
+
+
+def test_salient_arguments_parse_and_refuse_what_they_cannot_mean() -> None:
+    assert salient_args(["0.05:0.4"]) == {"*": (0.05, 0.4)}
+    assert salient_args(["low=0.05:0.4", "medium=0.03:0.5"]) == {"low": (0.05, 0.4), "medium": (0.03, 0.5)}
+    for bad in ["0.05", "low=0.05", "low=x:0.4", "low=0:0.4", "low=0.05:1", "low=0.05:1e-9", "low=1:0.4"]:
+        with pytest.raises(ValueError, match="--salient"):
+            salient_args([bad])
 
