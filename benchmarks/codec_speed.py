@@ -34,10 +34,19 @@ import numpy as np
 import torch
 import zstandard
 
-from codec import DEFAULT_LEVELS, TRANSFORM_SCHEMES, Scheme, decode_chunk, encode_chunk, load_level_table, quantized, rans
+from codec import (
+    DEFAULT_LEVELS,
+    TRANSFORM_SCHEMES,
+    Scheme,
+    decode_chunk,
+    encode_chunk,
+    load_level_table,
+    quantized,
+    rans,
+)
 from codec.container import unpack
 from codec.entropy_model import bank
-from codec.levels import V4_TABLE_FILE, shipped_level_table
+from codec.levels import SCHEME4_TABLE_FILE, V4_TABLE_FILE, level_digest, shipped_level_table
 from codec.parsed import parse_chunk
 from codec.transform import bf16_inverse
 from codec.transformed import inverse_
@@ -161,8 +170,15 @@ def main(argv: list[str] | None = None) -> int:
         }
     v4_table = load_level_table(shipped_level_table(V4_TABLE_FILE))
     v4 = [("v4/" + lv.name, lv) for lv in v4_table if not lv.lossless]
+    # the scheme-4 levels scheme 5 replaced (low): what salient tokens cost to code
+    ours = {level_digest(lv) for lv in DEFAULT_LEVELS}
+    scheme4 = [
+        ("scheme4/" + lv.name, lv)
+        for lv in load_level_table(shipped_level_table(SCHEME4_TABLE_FILE))
+        if level_digest(lv) not in ours
+    ]
     position = args.tokens  # the chunk's place in its text
-    for name, level in [(lv.name, lv) for lv in DEFAULT_LEVELS] + v4:
+    for name, level in [(lv.name, lv) for lv in DEFAULT_LEVELS] + scheme4 + v4:
         data = encode_chunk(kv, level, position=position)  # also compiles (numba cache) before timing
         decode_chunk(data)
         entry = {

@@ -208,7 +208,7 @@ def main() -> None:
         row = {"method": method, **{k: float(np.mean([r[k] for r in per])) for k in per[0]}}
         rows.append(row)
         print(
-            f"{method:<44} {row['bits']:>6.3f} {row['ppl_change']:>+8.2%} {row['top1']:>6.3f} "
+            f"{method:<44} {row['bits']:>7.3f} {row['ppl_change']:>+7.2%} {row['top1']:>7.3f} "
             f"{row['kl']:>7.4f}",
             flush=True,
         )

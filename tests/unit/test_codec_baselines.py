@@ -23,7 +23,13 @@ from codec import (
     load_level_table,
 )
 from codec.container import HEADER_SIZE, OVERHEAD, read_header
-from codec.levels import BASELINES_TABLE_FILE, V4_TABLE_FILE, default_level_table, shipped_level_table
+from codec.levels import (
+    BASELINES_TABLE_FILE,
+    SCHEME4_TABLE_FILE,
+    V4_TABLE_FILE,
+    default_level_table,
+    shipped_level_table,
+)
 from codec.transformed import TransformParams
 
 FP16 = Level("fp16", Scheme.RAW, lossless=False, cast=torch.float16)
@@ -289,7 +295,7 @@ def test_default_digests_are_unchanged() -> None:
 def test_the_scheme4_table_is_the_one_scheme_5_replaced() -> None:
     """``SmolLM2-135M-Instruct.scheme4.json``, kept for the benchmarks to measure beside the
     default table: the same high and medium, and the scheme-4 low that stored chunks name."""
-    levels = load_level_table(shipped_level_table("SmolLM2-135M-Instruct.scheme4.json"))
+    levels = load_level_table(shipped_level_table(SCHEME4_TABLE_FILE))
     assert {lv.name: level_digest(lv) for lv in levels} == {
         "lossless": "ac0562bba4a57c68",
         "high": "1e51866f480477e0",
