@@ -33,10 +33,12 @@ def encode_chunk(kv: torch.Tensor, level: Level, position: int = 0) -> bytes:
     elif level.scheme is Scheme.INT8:
         payload = int8.encode(kv)
     elif level.scheme in TRANSFORM_SCHEMES:
-        if not isinstance(level.quant, transformed.TransformParams) or (
-            level.quant.salient != (level.scheme is Scheme.SALIENT)
-        ):
+        if not isinstance(level.quant, transformed.TransformParams):
             raise ValueError(f"level {level.name!r} has no transform parameters")
+        if level.quant.salient != (level.scheme is Scheme.SALIENT):
+            raise ValueError(
+                f"level {level.name!r}: scheme {level.scheme.name} and its salient_fraction disagree"
+            )
         payload = transformed.encode(kv, level.quant, position)
     else:  # pragma: no cover - every scheme is handled above
         raise ValueError(f"no encoder for scheme {level.scheme}")

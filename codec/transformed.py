@@ -91,7 +91,7 @@ class TransformBody:
     quant: QuantBody
     # scheme 5: the salient tokens' step ratio and their (layer, chunk token) indices, int64 each
     salient_ratio: float = 1.0
-    salient: tuple[np.ndarray, np.ndarray] | None = None
+    salient_rows: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def exact_tokens(self) -> int:
@@ -198,7 +198,7 @@ def inverse_(body: TransformBody, values: torch.Tensor, bf16: bool | None = None
     """Turn a decoded chunk's coefficients in ``values`` (its float32 output, any strides, on any
     device) into KV in place; its exact tokens are already KV. ``bf16``: as ``KVTransform.inverse_``."""
     e = body.exact_tokens
-    if body.salient is not None and body.salient[0].size:  # back from the group's step to their own
-        layer, token = (torch.from_numpy(i).to(values.device) for i in body.salient)
+    if body.salient_rows is not None and body.salient_rows[0].size:  # back from the group's step to their own
+        layer, token = (torch.from_numpy(i).to(values.device) for i in body.salient_rows)
         values[layer, :, :, token, :] *= body.salient_ratio
     body.transform.inverse_(values[:, :, :, e:], body.position + e, bf16)

@@ -92,7 +92,7 @@ def test_salient_goldens_name_their_tokens_and_code_them_finer() -> None:
         data = (GOLDEN / f"{name}.bin").read_bytes()
         chunk = parse_chunk(data, transforms=t)
         assert read_header(data).scheme == 5 and chunk.body.salient_ratio == 0.25
-        layer, token = chunk.body.salient
+        layer, token = chunk.body.salient_rows
         coded = generate.SHAPE[3] - exact
         assert np.array_equal(np.bincount(layer, minlength=2), [-(-coded // 5)] * 2)
         assert token.min() >= exact

@@ -65,7 +65,7 @@ def test_the_tokens_with_the_most_key_energy_are_coded_finer() -> None:
     data = _chunk()
     chunk = parse_chunk(data, transforms=TRANSFORMS)
     assert chunk.body.salient_ratio == STEP_TABLE[salient_code(0.25)] == 0.25
-    layer, token = chunk.body.salient
+    layer, token = chunk.body.salient_rows
     # at position 0 the first 3 tokens are exact sinks: ceil(0.1 x 37) = 4 per layer among the rest
     assert np.array_equal(np.bincount(layer, minlength=LAYERS), [4] * LAYERS)
     coefficients = T.forward(kv[:, :, :, 3:].numpy(), 3)
@@ -86,7 +86,7 @@ def test_the_other_tokens_decode_as_in_scheme_4() -> None:
     """Only the named tokens are scaled: the rest of a chunk decodes to scheme 4's values."""
     salient = decode_chunk(_chunk(position=900), TRANSFORMS, inverse_bf16=False)
     plain = decode_chunk(_chunk(position=900, params=PLAIN), TRANSFORMS, inverse_bf16=False)
-    layer, token = parse_chunk(_chunk(position=900), transforms=TRANSFORMS).body.salient
+    layer, token = parse_chunk(_chunk(position=900), transforms=TRANSFORMS).body.salient_rows
     same = torch.ones(LAYERS, 40, dtype=torch.bool)
     same[torch.from_numpy(layer), torch.from_numpy(token)] = False
     for lay in range(LAYERS):
@@ -173,7 +173,9 @@ def test_a_level_table_names_both_salient_fields_on_transform_levels_only() -> N
 
 
 def test_a_scheme_and_params_that_disagree_are_refused_by_the_encoder() -> None:
-    with pytest.raises(ValueError, match="transform parameters"):
+    with pytest.raises(ValueError, match="TRANSFORM and its salient_fraction disagree"):
         encode_chunk(_kv(8, 1), Level("s", Scheme.TRANSFORM, False, SALIENT))
+    with pytest.raises(ValueError, match="SALIENT and its salient_fraction disagree"):
+        encode_chunk(_kv(8, 1), Level("s", Scheme.SALIENT, False, PLAIN))
     with pytest.raises(ValueError, match="salient_fraction"):
         replace(PLAIN, salient_fraction=1.5)
