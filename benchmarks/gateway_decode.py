@@ -2,12 +2,12 @@
 
     python -m benchmarks.gateway_decode --baseline-env CACHEGEN_CODEC_THREADING_LAYER=workqueue
 
-A stored 3.8K-token context (the first 17,000 characters of a licence), pre-encoded once into a
-local store, is asked about again and again at ``--level`` for ``--seconds`` in each gateway, with
-both memory tiers off so that every request loads and decodes every chunk. Gateways with the
-baseline's settings and with this checkout's defaults (plus ``--env``) alternate, each side first
-in turn. Per side: the median decode time of a whole chunk (``kv_cache_info``), the question's
-prefill and the requests answered; the medians over rounds and their ratios go to the JSON and
+A stored 3.8K-token context (the first 17,000 characters of a licence), pre-encoded by each side
+into a local store of its own, is asked about again and again at ``--level`` for ``--seconds`` in
+each gateway, with both memory tiers off so that every request loads and decodes every chunk.
+Gateways with the baseline's settings and with this checkout's defaults (plus ``--env``)
+alternate, each side first in turn. Per side: the median decode time of a whole chunk
+(``kv_cache_info``), the question's prefill and the requests answered; the medians over rounds and their ratios go to the JSON and
 the table (``benchmarks/ab.py``).
 """
 
@@ -68,11 +68,16 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gateway_decode.json")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="gateway_decode-"))
-    env = gateway_env(convert_default_model(default_cache_dir()), "float32", root / "store")
+    model = convert_default_model(default_cache_dir())
     text = LICENCE.read_text()[:17000]
-    store_contexts(env, [text], root / "encode.log")
+    envs = {  # a store per side: its context's manifest names that side's levels
+        name: gateway_env(model, "float32", root / f"store-{name}") | parse_env(settings)
+        for name, settings in (("baseline", args.baseline_env), ("this", args.env))
+    }
+    for name, side_env in envs.items():
+        store_contexts(side_env, [text], root / f"encode-{name}.log")
     sides = alternate(
-        {"baseline": env | parse_env(args.baseline_env), "this": env | parse_env(args.env)},
+        envs,
         args.rounds,
         lambda name, side_env, r: one_side(side_env, text, args, root / f"{name}-{r}.log"),
     )
