@@ -7,8 +7,8 @@ into a local store of its own, is asked about again and again at ``--level`` for
 each gateway, with both memory tiers off so that every request loads and decodes every chunk.
 Gateways with the baseline's settings and with this checkout's defaults (plus ``--env``)
 alternate, each side first in turn. Per side: the median decode time of a whole chunk
-(``kv_cache_info``), the question's prefill and the requests answered; the medians over rounds and their ratios go to the JSON and
-the table (``benchmarks/ab.py``).
+(``kv_cache_info``), the question's prefill and the requests answered; the medians over rounds
+and their ratios go to the JSON and the table (``benchmarks/ab.py``).
 """
 
 from __future__ import annotations
