@@ -20,7 +20,7 @@ concentrates on, besides the sinks) are quantized with a finer step, the
 group's step times one ratio per chunk. The encoder divides their
 coefficients by the ratio before scheme 2's quantizer, the decoder multiplies
 them back before the inverse; a bitmap per layer names them. On the default
-model a 0.8-bit level loses a third as much perplexity this way
+model a 0.8-bit level loses about a quarter as much perplexity this way
 (docs/codec.md, "Salient tokens"). Layout: codec/BITSTREAM.md, "Scheme 5".
 """
 
