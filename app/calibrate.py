@@ -18,8 +18,9 @@ Steps (each measured on the model, nothing hard-coded per model):
    scale of the same per-layer steps that fits its bit budget
    (``TRANSFORM_TARGETS``);
 5. with ``--finer-layer [LEVEL:]LAYER=FACTOR``: that layer's steps (at that
-   level, or at every one) times FACTOR before the scale search. Step 2 reads prose, which does not exercise retrieval over
-   a long context; ``benchmarks/layer_retrieval.py`` finds the layers whose
+   level, or at every one) times FACTOR before the scale search. Step 2 reads
+   prose, which does not exercise retrieval over a long context;
+   ``benchmarks/layer_retrieval.py`` finds the layers whose
    noise costs pass-key retrieval (docs/codec.md, "Pass-key: the layer the
    calibration could not see");
 6. with ``--salient [LEVEL=]FRACTION:STEP`` (scheme 5): that transform level
@@ -298,19 +299,19 @@ def calibrate(
     levels: list[dict] = [{"name": "lossless", "scheme": "raw"}]
     measured: dict[str, dict] = {}
     seen_by: dict[tuple, dict[float, dict[str, float]]] = {}  # scales measured, per configuration
-    targets = TRANSFORM_TARGETS if transform is not None else TARGETS
+    targets, scheme = (TRANSFORM_TARGETS, "transform") if transform is not None else (TARGETS, "quant")
     for target in targets:
         factors = np.ones(runner.num_layers)
         for name in (ALL_LEVELS, target.name):
             for layer, factor in layer_factors.get(name, {}).items():
                 factors[layer] *= factor
         key_steps, value_steps = base_keys * factors, base_values * factors
-        scheme, make_level, extra = "quant", None, {}
-        own = salient.get(target.name, salient.get(ALL_LEVELS)) if transform is not None else None
+        make_level, extra, own = None, {}, None
         if transform is not None:
-            t, file_name = transform
-            scheme, extra = "transform", {"sink_tokens": SINK_TOKENS}
-            make_level = lambda name, k, v, t=t, own=own: transform_level(name, t, k, v, own)  # noqa: E731
+            own = salient.get(target.name, salient.get(ALL_LEVELS))
+            extra = {"sink_tokens": SINK_TOKENS}
+            t = transform[0]
+            make_level = lambda name, k, v, own=own: transform_level(name, t, k, v, own)  # noqa: E731
             if own:
                 extra |= {"salient_fraction": own[0], "salient_step": own[1]}
         seen = seen_by.setdefault((tuple(factors), own), {})
@@ -329,6 +330,7 @@ def calibrate(
         )
     log.info("calibrated in %.0f s", time.monotonic() - t0)
     if transform is not None:
+        t, file_name = transform
         extra = {"transform": {"file": file_name, "digest": t.digest.hex(), "model": t.model}}
     return {
         "format": TABLE_FORMAT,
@@ -366,36 +368,53 @@ def format_table(table: dict) -> str:
     )
 
 
+def _per_level(item: str, flag: str, level_sep: str, pair_sep: str, parse, valid, form: str, bounds: str):
+    """One ``[LEVEL<level_sep>]A<pair_sep>B`` option value: (level or ALL_LEVELS, (parse A, parse B)),
+    or a ValueError naming ``flag``, the ``form`` expected and the ``bounds`` that ``valid`` checks."""
+    level, _, rest = item.rpartition(level_sep)
+    first, sep, second = rest.partition(pair_sep)
+    try:
+        pair = parse(first, second)
+    except ValueError:
+        raise ValueError(f"{flag} {item!r}: expected {form}") from None
+    if not sep or not valid(*pair):
+        raise ValueError(f"{flag} {item!r}: {bounds}")
+    return level or ALL_LEVELS, pair
+
+
 def layer_factor_args(items: list[str]) -> dict[str, dict[int, float]]:
     """``--finer-layer`` values, ``[LEVEL:]LAYER=FACTOR``, as {level or ALL_LEVELS: {layer: factor}}."""
     factors: dict[str, dict[int, float]] = {}
     for item in items:
-        level, _, rest = item.rpartition(":")
-        layer, sep, factor = rest.partition("=")
-        try:
-            index, value = int(layer), float(factor)
-        except ValueError:
-            raise ValueError(f"--finer-layer {item!r}: expected [LEVEL:]LAYER=FACTOR, as 4=0.5") from None
-        if not sep or index < 0 or not 0 < value <= MULTIPLIER_RANGE[1]:
-            raise ValueError(f"--finer-layer {item!r}: a layer >= 0 and 0 < FACTOR <= {MULTIPLIER_RANGE[1]}")
-        factors.setdefault(level or ALL_LEVELS, {})[index] = value
+        level, (index, value) = _per_level(
+            item,
+            "--finer-layer",
+            ":",
+            "=",
+            lambda a, b: (int(a), float(b)),
+            lambda index, value: index >= 0 and 0 < value <= MULTIPLIER_RANGE[1],
+            "[LEVEL:]LAYER=FACTOR, as 4=0.5",
+            f"a layer >= 0 and 0 < FACTOR <= {MULTIPLIER_RANGE[1]}",
+        )
+        factors.setdefault(level, {})[index] = value
     return factors
 
 
 def salient_args(items: list[str]) -> dict[str, tuple[float, float]]:
     """``--salient`` values, ``[LEVEL=]FRACTION:STEP``, as {level or ALL_LEVELS: (fraction, step)}."""
-    out: dict[str, tuple[float, float]] = {}
-    for item in items:
-        level, _, rest = item.rpartition("=")
-        fraction, sep, step = rest.partition(":")
-        try:
-            f, r = float(fraction), float(step)
-        except ValueError:
-            raise ValueError(f"--salient {item!r}: expected [LEVEL=]FRACTION:STEP, as low=0.05:0.4") from None
-        if not sep or not 0 < f < 1 or not 2.0**-16 <= r < 1:
-            raise ValueError(f"--salient {item!r}: FRACTION in (0, 1) and STEP in [2^-16, 1)")
-        out[level or ALL_LEVELS] = (f, r)
-    return out
+    return dict(
+        _per_level(
+            item,
+            "--salient",
+            "=",
+            ":",
+            lambda a, b: (float(a), float(b)),
+            lambda fraction, step: 0 < fraction < 1 and 2.0**-16 <= step < 1,
+            "[LEVEL=]FRACTION:STEP, as low=0.05:0.4",
+            "FRACTION in (0, 1) and STEP in [2^-16, 1)",
+        )
+        for item in items
+    )
 
 
 def main(argv: list[str]) -> int:

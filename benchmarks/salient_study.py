@@ -91,12 +91,15 @@ def attention_signals(runner, ids: list[int], prefix: int) -> dict[str, np.ndarr
 
 
 def energy(transform, kv: torch.Tensor, side: int) -> np.ndarray:
-    """(layers, tokens): the sum of squares of each token's key (side 0) or value coefficients."""
+    """(layers, tokens): each token's key (side 0) or value energy, as scheme 5's encoder reads it
+    (``codec.transformed.coefficient_energy``), chunk by chunk."""
+    from codec.transformed import coefficient_energy
+
     x = kv.numpy()
     out = np.zeros((x.shape[0], x.shape[3]))
     for c0 in range(0, x.shape[3], CHUNK_TOKENS):
-        co = transform.forward(x[:, :, :, c0 : c0 + CHUNK_TOKENS], c0)
-        out[:, c0 : c0 + CHUNK_TOKENS] = np.square(co[:, side]).sum(axis=(1, 3))
+        coefficients = transform.forward(x[:, :, :, c0 : c0 + CHUNK_TOKENS], c0)
+        out[:, c0 : c0 + CHUNK_TOKENS] = coefficient_energy(coefficients, side)
     return out
 
 

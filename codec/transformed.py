@@ -143,11 +143,16 @@ def salient_tokens(coefficients: np.ndarray, fraction: float) -> np.ndarray:
     flags = np.zeros((layers, tokens), dtype=bool)
     k = min(tokens, math.ceil(fraction * tokens - 1e-9))
     if k:
-        energy = np.square(coefficients[:, 0], dtype=np.float64).sum(axis=(1, 3))  # (layers, tokens)
         # the largest k per layer; ties go to the earlier token (a stable sort of the negation)
-        order = np.argsort(-energy, axis=1, kind="stable")[:, :k]
+        order = np.argsort(-coefficient_energy(coefficients, 0), axis=1, kind="stable")[:, :k]
         np.put_along_axis(flags, order, True, axis=1)
     return flags
+
+
+def coefficient_energy(coefficients: np.ndarray, side: int) -> np.ndarray:
+    """(layers, tokens), float64: the sum of squares of each token's key (``side`` 0) or value (1)
+    coefficients, over every head and component."""
+    return np.square(coefficients[:, side], dtype=np.float64).sum(axis=(1, 3))
 
 
 def parse(
