@@ -122,7 +122,7 @@ class ContextStore:
             manifest: Manifest | None = self.get(self.context_id(token_ids, space), space)
         except ContextNotFound:
             manifest = None
-        listed: dict[str, StoredObject] = {}
+        entries: dict[str, ChunkEntry] = {}
         if keys:
             try:
                 index = PrefixIndex.read(self.store, index_key(keys[0]))
@@ -130,10 +130,6 @@ class ContextStore:
                 index = None
             if index is not None and index.fingerprint == self.fingerprint.hex:
                 entries = {**index.chunks, **index.tails}
-                for key in pieces:
-                    if key in entries:
-                        for name, obj in entries[key].objects.items():
-                            listed[chunk_object_key(key, name, obj.digest)] = obj
         on_store = [
             {info.key for info in objects}
             for objects in self.pool.map(lambda key: list(self.store.list(chunk_dir(key))), pieces)
@@ -142,9 +138,10 @@ class ContextStore:
         missing: dict[str, list[Level]] = {}
         for key, names in zip(pieces, on_store, strict=True):
             for level in levels:
-                object_key = chunk_object_key(key, level.name, level_digest(level))
-                if object_key in names and object_key in listed:
-                    present.setdefault(key, {})[level.name] = listed[object_key]
+                digest = level_digest(level)
+                listed = entries[key].find(level.name, digest) if key in entries else None
+                if listed is not None and chunk_object_key(key, level.name, digest) in names:
+                    present.setdefault(key, {})[level.name] = listed
                 else:
                     missing.setdefault(key, []).append(level)
         return StoredPieces(present, missing, manifest)
@@ -183,7 +180,9 @@ class ContextStore:
                     data = encode_chunk(chunk, level, position=start)
                 digest = level_digest(level)
                 level_bytes[level.name] += len(data)
-                written.setdefault(key, {})[level.name] = StoredObject(digest=digest, bytes=len(data))
+                written.setdefault(key, {})[level.name] = StoredObject(
+                    level=level.name, digest=digest, bytes=len(data)
+                )
                 uploads.append(
                     self.pool.submit(self.store.put, chunk_object_key(key, level.name, digest), data)
                 )
@@ -194,13 +193,18 @@ class ContextStore:
                 fingerprint=self.fingerprint.hex,
                 chunk_size=self.chunk_size,
                 chunks={
-                    k: ChunkEntry(objects=written[k], expires=expires) for k in keys[first:] if k in written
+                    k: ChunkEntry(objects=tuple(written[k].values()), expires=expires)
+                    for k in keys[first:]
+                    if k in written
                 },
                 tails={}
                 if tail is None or tail.key not in written
                 else {
                     tail.key: TailEntry(
-                        objects=written[tail.key], parent=keys[-1], tokens=tail.tokens, expires=expires
+                        objects=tuple(written[tail.key].values()),
+                        parent=keys[-1],
+                        tokens=tail.tokens,
+                        expires=expires,
                     )
                 },
             )

@@ -2,9 +2,18 @@
 
 One JSON object at ``kv/<first chunk key>/index.json`` lists every chunk and
 context tail stored in chains that start with that chunk, with the bytes of
-each level's object and the digest of the level parameters that wrote it. A
-request reads it with one GET and can then plan its whole prefix (level per
-chunk, or text) before fetching anything. A missing index is a miss.
+each of its objects: one per level name and digest of the level parameters
+that wrote it. A request reads it with one GET and can then plan its whole
+prefix (level per chunk, or text) before fetching anything. A missing index
+is a miss.
+
+Version 2 lists a chunk's objects by (level, digest), so gateways whose level
+tables give one name different parameters (a table being rolled out) each
+find their own objects. Version 1 kept one object per level name, and the
+last writer's digest hid the other's; it is still read. A version-1 gateway
+refuses a version-2 index and, when it next writes, replaces it: during a
+software roll-out the two versions miss each other's entries, never read
+wrong bytes.
 
 Writers merge their entries into the index (read, union, write). Two writers
 racing on the same first chunk can lose one's entries; the cost is a later
@@ -19,9 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from scheduler.errors import PrefixIndexError
 from storage import ObjectStore, ObjectTooLarge
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 MAX_INDEX_BYTES = 8 * 2**20  # bounds what a reader parses; ~20K entries
 MAX_ENTRIES = 16384
+MAX_OBJECTS = 64  # per chunk: level names x the tables that wrote them
 
 _HEX64 = r"^[0-9a-f]{64}$"
 _HEX16 = r"^[0-9a-f]{16}$"
@@ -29,27 +39,39 @@ _LEVEL = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class StoredObject(BaseModel):
+    """One encoded object of a chunk: ``kv/<chunk key>/<level>.<digest>``, ``bytes`` long."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    level: str = Field(pattern=_LEVEL)
     digest: str = Field(pattern=_HEX16)
     bytes: int = Field(gt=0)
 
 
 class ChunkEntry(BaseModel):
-    """A full chunk: its objects by level name, and until when readers may use it."""
+    """A full chunk: its objects, at most one per (level, digest), and until when readers may use it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    objects: dict[str, StoredObject]
+    objects: tuple[StoredObject, ...] = Field(min_length=1, max_length=MAX_OBJECTS)
     # Unix time: the latest expiry of the contexts that stored it; None: pinned, or written back
     expires: int | None = None
 
     def live(self, now: float) -> bool:
         return self.expires is None or now < self.expires
 
+    def find(self, level: str, digest: str) -> StoredObject | None:
+        """The object of level ``level`` written with parameters of digest ``digest``, if listed."""
+        return next((o for o in self.objects if o.level == level and o.digest == digest), None)
+
+    @property
+    def levels(self) -> set[str]:
+        return {o.level for o in self.objects}
+
     @model_validator(mode="after")
-    def _names(self) -> ChunkEntry:
-        _check_level_names(self.objects)
+    def _distinct(self) -> ChunkEntry:
+        if len({(o.level, o.digest) for o in self.objects}) != len(self.objects):
+            raise ValueError("an object is listed twice")
         return self
 
 
@@ -60,22 +82,37 @@ class TailEntry(ChunkEntry):
     tokens: int = Field(gt=0)
 
 
-def _check_level_names(objects: dict[str, StoredObject]) -> None:
-    import re
-
-    for name in objects:
-        if not re.fullmatch(_LEVEL, name):
-            raise ValueError(f"bad level name {name!r}")
-
-
 class PrefixIndex(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(INDEX_VERSION, ge=1, le=INDEX_VERSION)
+    version: int = Field(INDEX_VERSION, ge=INDEX_VERSION, le=INDEX_VERSION)
     fingerprint: str = Field(pattern=_HEX64)
     chunk_size: int = Field(gt=0)
     chunks: dict[str, ChunkEntry] = {}
     tails: dict[str, TailEntry] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_version_1(cls, data: object) -> object:
+        """Version 1 listed a chunk's objects as ``{level: {digest, bytes}}``."""
+        if not isinstance(data, dict) or data.get("version") != 1:
+            return data
+
+        def entry(e: object) -> object:
+            if isinstance(e, dict) and isinstance(e.get("objects"), dict):
+                objects = [{"level": k, **v} if isinstance(v, dict) else v for k, v in e["objects"].items()]
+                return {**e, "objects": objects}
+            return e
+
+        return {
+            **data,
+            "version": INDEX_VERSION,
+            **{
+                part: {k: entry(e) for k, e in data[part].items()}
+                for part in ("chunks", "tails")
+                if isinstance(data.get(part), dict)
+            },
+        }
 
     @model_validator(mode="after")
     def _bounded(self) -> PrefixIndex:
@@ -118,15 +155,15 @@ class PrefixIndex(BaseModel):
         return cls.from_bytes(data)
 
     def merged(self, other: PrefixIndex) -> PrefixIndex:
-        """This index with ``other``'s entries added (an entry's objects are united per level, and it
-        lives as long as the longer-lived of the two)."""
+        """This index with ``other``'s entries added (an entry's objects are united per level and
+        digest, ``other``'s sizes winning, and it lives as long as the longer-lived of the two)."""
 
         def union(old: ChunkEntry | None, new: ChunkEntry) -> ChunkEntry:
             if old is None:
                 return new
-            return new.model_copy(
-                update={"objects": {**old.objects, **new.objects}, "expires": later(old.expires, new.expires)}
-            )
+            objects = {(o.level, o.digest): o for o in (*old.objects, *new.objects)}
+            kept = tuple(objects.values())[-MAX_OBJECTS:]  # past the bound, the oldest go unlisted
+            return new.model_copy(update={"objects": kept, "expires": later(old.expires, new.expires)})
 
         chunks = dict(self.chunks)
         for key, entry in other.chunks.items():

@@ -104,14 +104,14 @@ def find_stored_prefix(
             entries.append(best)
 
     object_keys = [
-        chunk_object_key(key, name, digests[name])
+        chunk_object_key(key, name, digest)
         for key, _, _, entry, _ in entries
-        for name in digests
-        if name in entry.objects
+        for name, digest in digests.items()
+        if entry.find(name, digest) is not None
     ]
     resident = dict(zip(object_keys, store.resident_many(object_keys), strict=True))
     for i, (key, start, tokens, entry, is_tail) in enumerate(entries):
-        sizes = {n: o.bytes for n, o in entry.objects.items() if digests.get(n) == o.digest}
+        sizes = {n: o.bytes for n, d in digests.items() if (o := entry.find(n, d)) is not None}
         found.chunks.append(
             StoredChunk(
                 index=i,
@@ -129,4 +129,4 @@ def find_stored_prefix(
 
 def _usable(entry: ChunkEntry, digests: dict[str, str], now: float) -> bool:
     """Live (no expired context's alone), and stored at a level this gateway reads."""
-    return entry.live(now) and any(digests.get(name) == obj.digest for name, obj in entry.objects.items())
+    return entry.live(now) and any(entry.find(name, digest) is not None for name, digest in digests.items())
