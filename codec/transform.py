@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from codec import split_matmul
 from codec.inverse_kernel import finish_bf16_inverse
 
 FILE_FORMAT = "cachegen-kv-transform/1"
@@ -102,7 +103,8 @@ class KVTransform:
         if self.inv_freq is not None:
             rope_(v[:, 0], self.inv_freq, self.rope_scale, position, inverse=True)
         encode, mean = self._encoder
-        y = torch.einsum("gtc,gcd->gtd", v.reshape(layers * 2, tokens, heads * dim).sub_(mean), encode)
+        x = v.reshape(layers * 2, tokens, heads * dim).sub_(mean)
+        y = split_matmul.bmm(x, encode, torch.empty_like(x))
         return y.view(layers, 2, tokens, heads, dim).permute(0, 1, 3, 2, 4).contiguous().numpy()
 
     @cached_property
@@ -147,7 +149,7 @@ class KVTransform:
             if bf16:  # one pass rounds and transposes; the sum with the mean comes back as float32
                 y = scratch.tensor("y", groups, torch.bfloat16)
                 y.view(layers, 2, tokens, heads, dim).copy_(coefficients)
-                product = torch.bmm(y, decode, out=scratch.tensor("product", groups, torch.bfloat16))
+                product = split_matmul.bmm(y, decode, scratch.tensor("product", groups, torch.bfloat16))
                 if values.device.type == "cpu":  # the mean, RoPE and the copy out in one pass
                     cos, sin = self._rope_tables(tokens, position)
                     bits = product.view(torch.int16).numpy().view(np.uint16)
