@@ -85,7 +85,7 @@ def main() -> None:
         if args.baseline:
             repos["baseline"] = stack.enter_context(baseline_worktree(args.baseline, root))
         for name, side_env in envs.items():
-            store_contexts(side_env, [text], root / f"encode-{name}.log")
+            store_contexts(side_env, [text], root / f"encode-{name}.log", repos[name])  # its own layout
         sides = alternate(
             envs,
             args.rounds,

@@ -45,8 +45,8 @@ async def ttft(client: httpx.AsyncClient, url: str, text: str, question: str) ->
     return (await stream_chat(client, url, context_messages(text, question), 8))[0]
 
 
-def store_contexts(env: dict[str, str], texts: list[str], log: Path) -> None:
-    with GatewayProcess(env, log) as g, httpx.Client(base_url=g.url, timeout=900) as client:
+def store_contexts(env: dict[str, str], texts: list[str], log: Path, repo: Path = REPO) -> None:
+    with GatewayProcess(env, log, repo=repo) as g, httpx.Client(base_url=g.url, timeout=900) as client:
         pre_encode(client, texts, None)
 
 
@@ -88,15 +88,18 @@ def main() -> None:
     args = p.parse_args()
     model = convert_default_model(default_cache_dir())
     root = Path(tempfile.mkdtemp(prefix="stored_load-"))
-    env = gateway_env(model, "float32", root / "store")
     long_text = LICENCE.read_text()[:17000]
     texts = build_contexts(load_tokenizer("default"), CONCURRENT + 2, 2048)
-    store_contexts(env, [long_text, *texts], root / "encode.log")
     sides: dict[str, list[dict[str, Any]]] = {"baseline": [], "this": []}
     with baseline_worktree(args.baseline, root) as worktree:
+        repos = {"baseline": worktree, "this": REPO}
+        # a store per side, encoded by that side's code: the two may write different layouts
+        envs = {name: gateway_env(model, "float32", root / f"store-{name}") for name in repos}
+        for name, repo in repos.items():
+            store_contexts(envs[name], [long_text, *texts], root / f"encode-{name}.log", repo)
         for r in range(args.warmup_rounds + args.rounds):
-            for name, repo in (("baseline", worktree), ("this", REPO)):
-                result = run_side(repo, env, long_text, texts, root / f"{name}-{r}.log")
+            for name, repo in repos.items():
+                result = run_side(repo, envs[name], long_text, texts, root / f"{name}-{r}.log")
                 counted = r >= args.warmup_rounds
                 if counted:
                     sides[name].append(result)
