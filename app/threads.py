@@ -28,7 +28,9 @@ after another thread had run one 2K-token prefill with two threads (and to
 98 ms with ``OMP_WAIT_POLICY=PASSIVE``, the same effect made permanent). So
 every other thread (start-up, the event loop, prepare and write-back pools)
 runs torch on one thread, and start-up work that needs the model's speed
-(the cost profile) runs on the model thread.
+(the cost profile) runs on the model thread. The codec's one torch operation
+of weight, the transform's matmul, is split over plain threads instead, as
+many as numba's share (``codec/split_matmul.py``).
 
 numba's thread count is per calling thread too, so the pools set both in
 their initializer (``worker_initializer``).
