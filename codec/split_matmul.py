@@ -45,7 +45,7 @@ def lanes(groups: int, device: torch.device) -> int:
     """How many threads ``bmm`` splits ``groups`` groups over when called from this thread."""
     if device.type != "cpu" or torch.get_num_threads() > 1:
         return 1
-    return max(1, min(groups, numba.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    return max(1, min(groups, numba.get_num_threads()))  # numba's count never exceeds its pool
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
