@@ -11,7 +11,8 @@ operation. On 2 cores that was 5.4-5.8 ms of a ``medium`` chunk's 13.8.
 count for the calling thread (the gate's share: every core while the model
 idles, a quarter of them while it runs), each with one torch thread. On 2
 cores: 2.9-3.0 ms, about one ``bmm`` on two OpenMP threads (2.7 ms), with no
-second OpenMP team. Where the caller's torch has more than one thread (tools,
+second OpenMP team. The inverse gives each lane its groups' copy into bf16
+too (``over_groups``). Where the caller's torch has more than one thread (tools,
 tests), or off the CPU, it is one ``torch.bmm`` as before. Each group is one
 ``bmm`` row whichever thread runs it, so the result is the same bits.
 """
@@ -19,6 +20,7 @@ tests), or off the CPU, it is one ``torch.bmm`` as before. Each group is one
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -48,15 +50,21 @@ def lanes(groups: int, device: torch.device) -> int:
     return max(1, min(groups, numba.get_num_threads()))  # numba's count never exceeds its pool
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``torch.bmm(a, b, out=out)``, its groups split over ``lanes`` threads."""
-    n = lanes(a.shape[0], a.device)
+def over_groups(groups: int, device: torch.device, work: Callable[[int, int], object]) -> None:
+    """``work(i, j)`` for the groups ``i:j`` of each of ``lanes`` slices, the first on this thread."""
+    n = lanes(groups, device)
     if n == 1:
-        return torch.bmm(a, b, out=out)
-    cuts = [a.shape[0] * i // n for i in range(n + 1)]
+        work(0, groups)
+        return
+    cuts = [groups * i // n for i in range(n + 1)]
     pool = _pool()
-    others = [pool.submit(torch.bmm, a[i:j], b[i:j], out=out[i:j]) for i, j in zip(cuts[1:-1], cuts[2:])]
-    torch.bmm(a[: cuts[1]], b[: cuts[1]], out=out[: cuts[1]])
+    others = [pool.submit(work, i, j) for i, j in zip(cuts[1:-1], cuts[2:])]
+    work(0, cuts[1])
     for other in others:
         other.result()
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b, out=out)``, its groups split over ``lanes`` threads."""
+    over_groups(a.shape[0], a.device, lambda i, j: torch.bmm(a[i:j], b[i:j], out=out[i:j]))
     return out

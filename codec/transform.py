@@ -148,8 +148,14 @@ class KVTransform:
         with _CPU_SCRATCH.take(values.device) as scratch:
             if bf16:  # one pass rounds and transposes; the sum with the mean comes back as float32
                 y = scratch.tensor("y", groups, torch.bfloat16)
-                y.view(layers, 2, tokens, heads, dim).copy_(coefficients)
-                product = split_matmul.bmm(y, decode, scratch.tensor("product", groups, torch.bfloat16))
+                product = scratch.tensor("product", groups, torch.bfloat16)
+                into, source = y.view(layers * 2, tokens, heads, dim), coefficients.flatten(0, 1)
+
+                def lane(i: int, j: int) -> None:  # each of the codec's threads: its groups
+                    into[i:j].copy_(source[i:j])
+                    torch.bmm(y[i:j], decode[i:j], out=product[i:j])
+
+                split_matmul.over_groups(layers * 2, values.device, lane)
                 if values.device.type == "cpu":  # the mean, RoPE and the copy out in one pass
                     cos, sin = self._rope_tables(tokens, position)
                     bits = product.view(torch.int16).numpy().view(np.uint16)

@@ -47,3 +47,31 @@ def test_one_lane_where_torch_has_its_own_threads():
     assert on_a_codec_thread(lanes, 2) == 1
     assert on_a_codec_thread(lambda: split_matmul.lanes(60, torch.device("cpu")), 1) == 1
     assert on_a_codec_thread(lambda: split_matmul.lanes(60, torch.device("meta")), 2) == 1
+
+
+@needs_two
+def test_the_inverse_on_split_lanes_is_the_one_lane_inverse():
+    """The bf16 inverse as the gateway's codec threads run it (its copy and matmul split in two)
+    gives the bits of the inverse on one lane, into a slice of a larger buffer as the loader's."""
+    from codec.transform import fit_transform
+
+    layers, heads, dim, tokens = 3, 2, 16, 40
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(layers, 2, heads, 300, dim, generator=g)
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, dim, 2) / dim)).numpy()
+    t = fit_transform(kv, torch.ones(layers, heads, dim).numpy(), inv_freq=inv_freq, model="m")
+    coefficients = torch.randn(layers, 2, heads, tokens, dim, generator=g)
+
+    def inverse(numba_threads: int) -> torch.Tensor:
+        buffer = torch.zeros(layers, 2, heads, tokens + 5, dim)
+        buffer[:, :, :, 5:] = coefficients
+
+        def run():
+            assert split_matmul.lanes(layers * 2, buffer.device) == numba_threads
+            t.inverse_(buffer[:, :, :, 5:], 300, bf16=True)
+            return buffer
+
+        return on_a_codec_thread(run, numba_threads)
+
+    one, two = inverse(1), inverse(2)
+    assert torch.equal(two, one) and not torch.equal(two[:, :, :, 5:], coefficients)
