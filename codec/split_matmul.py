@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numba
 import torch
@@ -59,7 +59,10 @@ def over_groups(groups: int, device: torch.device, work: Callable[[int, int], ob
     cuts = [groups * i // n for i in range(n + 1)]
     pool = _pool()
     others = [pool.submit(work, i, j) for i, j in zip(cuts[1:-1], cuts[2:])]
-    work(0, cuts[1])
+    try:
+        work(0, cuts[1])
+    finally:
+        wait(others)  # no lane outlives the call (it writes the caller's buffers), even on an error
     for other in others:
         other.result()
 
