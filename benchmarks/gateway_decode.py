@@ -6,10 +6,11 @@
 A stored 3.8K-token context (the first 17,000 characters of a licence), pre-encoded by each side
 into a local store of its own, is asked about again and again at ``--level`` for ``--seconds`` in
 each gateway, with both memory tiers off so that every request loads and decodes every chunk.
-Gateways with the baseline's settings (or the ``--baseline`` revision's code, in a git worktree) and
-with this checkout's defaults (plus ``--env``) alternate, each side first in turn. Per side: the median decode time of a whole chunk
-(``kv_cache_info``), the question's prefill and the requests answered; the medians over rounds
-and their ratios go to the JSON and the table (``benchmarks/ab.py``).
+Gateways with the baseline's settings (or the ``--baseline`` revision's code, in a git worktree)
+and with this checkout's defaults (plus ``--env``) alternate, each side first in turn. Per side:
+the median decode time of a whole chunk (``kv_cache_info``), the question's prefill and the
+requests answered; the medians over rounds and their ratios go to the JSON and the table
+(``benchmarks/ab.py``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     base = p.add_mutually_exclusive_group(required=True)
     base.add_argument("--baseline-env", nargs="+", help="NAME=VALUE settings of the baseline")
-    base.add_argument("--baseline", help="a git revision: the baseline runs its code, with this side's settings")
+    base.add_argument(
+        "--baseline", help="a git revision: the baseline runs its code, with this side's settings"
+    )
     p.add_argument("--env", nargs="*", default=[], help="NAME=VALUE settings of this side")
     p.add_argument("--level", default="medium")
     p.add_argument("--seconds", type=float, default=10.0, help="of requests per gateway")

@@ -153,8 +153,8 @@ def test_a_version_1_index_is_read(parts):
         **index,
         "version": 1,
         "chunks": {
-            k: {**e, "objects": {o["level"]: {"digest": o["digest"], "bytes": o["bytes"]} for o in e["objects"]}}
-            for k, e in index["chunks"].items()
+            k: {**e, "objects": {o.pop("level"): o for o in e["objects"]}}  # {level: {digest, bytes}}
+            for k, e in json.loads(store.get(key))["chunks"].items()
         },
     }
     store.put(key, json.dumps(v1).encode())
@@ -174,7 +174,8 @@ def test_a_version_1_index_is_read(parts):
     ],
 )
 def test_index_objects_are_checked(objects):
-    index = {"version": 2, "fingerprint": "a" * 64, "chunk_size": CHUNK, "chunks": {"b" * 64: {"objects": objects}}}
+    chunks = {"b" * 64: {"objects": objects}}
+    index = {"version": 2, "fingerprint": "a" * 64, "chunk_size": CHUNK, "chunks": chunks}
     with pytest.raises(PrefixIndexError):
         PrefixIndex.from_bytes(json.dumps(index).encode())
 
