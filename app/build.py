@@ -134,6 +134,8 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
     # measured on the model thread, at the speed requests will see
     with _stage(f"the cost profile ({'cached' if profile_file.exists() else 'measuring this machine'})"):
         profile = loop.call(load_or_measure, profile_file, runner, list(levels), settings.chunk_size)
+    if settings.hold_for_loads:
+        loop.prefill_seconds = profile.prefill_seconds  # a burst's questions share a step
     transforms = level_transforms(levels)
     for transform in transforms.values():
         if transform.model != identity.weights:
@@ -188,6 +190,7 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
     metrics.kv_memory_used.set_function(lambda: memory.used)
     metrics.engine_steps.set_function(lambda: loop.stats.steps)
     metrics.engine_busy.set_function(lambda: loop.stats.busy_s)
+    metrics.engine_held.set_function(lambda: loop.stats.held_s)
     metrics.engine_decode_tokens.set_function(lambda: loop.stats.decode_tokens)
     metrics.engine_prefill_tokens.set_function(lambda: loop.stats.prefill_tokens)
     metrics.kv_memory_budget.set(settings.kv_memory_bytes)

@@ -147,6 +147,11 @@ class Metrics:
         self.engine_busy = Gauge(
             "cachegen:engine_busy_seconds", "Seconds the model thread spent in forward passes.", registry=r
         )
+        self.engine_held = Gauge(
+            "cachegen:engine_held_seconds",
+            "Seconds the model thread held a step of new prompts for prefix loads in flight.",
+            registry=r,
+        )
         self.engine_decode_tokens = Gauge(
             "cachegen:engine_decode_tokens", "Decode tokens the model steps ran.", registry=r
         )

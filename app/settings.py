@@ -163,6 +163,11 @@ class Settings(BaseSettings):
         description="keep finished requests' computed KV in memory (within kv_memory_bytes) for the next "
         "request with the same prefix",
     )
+    hold_for_loads: bool = Field(
+        True,
+        description="a step of new prompts only waits for prefix loads in flight, for at most that step's "
+        "predicted time, so a burst of questions on stored contexts shares one step (scheduler/step_loop.py)",
+    )
     default_max_tokens: int = Field(512, ge=1, description="chat max_tokens when the client sets none")
     log_level: Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(_lower)] = "info"
     log_format: Annotated[Literal["text", "json"], BeforeValidator(_lower)] = Field(

@@ -1,6 +1,6 @@
 """Where a burst of questions on stored contexts spends its time, request by request.
 
-    python -m benchmarks.stored_burst [--concurrent 8] [--rounds 3]
+    python -m benchmarks.stored_burst [--concurrent 8] [--rounds 3] [--baseline-env NAME=VALUE ...]
 
 Issue 16's "worst TTFT of 8 concurrent questions on stored 2K contexts" as a
 breakdown rather than one ratio. Each round starts a fresh gateway on a local
@@ -13,6 +13,10 @@ load took (``load_ms``), how long it then waited for and ran its prefill
 (``prefill_ms``), and the whole prompt from admission (``prompt_ms``). The
 step loop's counters (``cachegen:engine_steps``, ``cachegen:engine_busy_seconds``)
 say how many model steps the burst took and how long they ran.
+
+With ``--baseline-env``, every round runs a gateway with those settings too,
+the two in turns on the same store, and the summary gives both and their
+ratio (for example ``CACHEGEN_HOLD_FOR_LOADS=false``).
 
 Prints a table of the median round and writes JSON to
 ``benchmarks/results/stored_burst.json``.
@@ -32,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.setting_ab import parse_env
 from benchmarks.vs_vllm import DEFAULT_MODEL_NAME, QUESTIONS, context_messages, gateway_env
 from benchmarks.workload import build_contexts, load_tokenizer, pre_encode
 from engine.loading import convert_default_model, default_cache_dir
@@ -99,36 +104,56 @@ def one_round(env: dict[str, str], texts: list[str], log: Path) -> dict[str, Any
     return result
 
 
+def print_round(result: dict[str, Any]) -> None:
+    print(
+        f"{'request':>8s} {'sent s':>7s} {'TTFT s':>7s} {'load ms':>8s} {'prefill ms':>10s} {'prompt ms':>9s}"
+    )
+    for name, r in [("alone", result["alone"]), *((str(k), r) for k, r in enumerate(result["burst"]))]:
+        print(
+            f"{name:>8s} {r['sent_s']:7.3f} {r['ttft_s']:7.3f} {r['load_ms']:8.1f} "
+            f"{r['prefill_ms']:10.1f} {r['prompt_ms']:9.1f}"
+        )
+    print(f"the burst: {result['burst_steps']} model steps, {result['burst_busy_s']} s in forward passes")
+
+
+def summarize(name: str, rounds: list[dict[str, Any]]) -> dict[str, float]:
+    median = sorted(rounds, key=lambda r: r["worst_over_alone"])[len(rounds) // 2]
+    print(f"{name}: worst / alone per round: {[r['worst_over_alone'] for r in rounds]}; the median round:")
+    print_round(median)
+    return {
+        "worst_over_alone_median": statistics.median(r["worst_over_alone"] for r in rounds),
+        "alone_s_median": statistics.median(r["alone"]["ttft_s"] for r in rounds),
+        "worst_s_median": statistics.median(r["worst_s"] for r in rounds),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrent", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--context-tokens", type=int, default=2048)
+    p.add_argument("--baseline-env", nargs="+", default=[], help="NAME=VALUE settings of a baseline")
     p.add_argument("--out", type=Path, default=RESULTS / "stored_burst.json")
     args = p.parse_args()
     model = convert_default_model(default_cache_dir())
     texts = build_contexts(load_tokenizer("default"), args.concurrent + 2, args.context_tokens)
     root = Path(tempfile.mkdtemp(prefix="stored_burst-"))
     env = gateway_env(model, "float32", root / "store")
+    sides = {"this": env}
+    if args.baseline_env:
+        sides = {"baseline": env | parse_env(args.baseline_env), **sides}
     with GatewayProcess(env, root / "encode.log") as g, httpx.Client(base_url=g.url, timeout=900) as client:
         pre_encode(client, texts, None)
-    rounds = [one_round(env, texts, root / "gateway.log") for _ in range(args.rounds)]
-    median = sorted(rounds, key=lambda r: r["worst_over_alone"])[len(rounds) // 2]
-    print(f"worst / alone per round: {[r['worst_over_alone'] for r in rounds]}; the median round:")
-    print(
-        f"{'request':>8s} {'sent s':>7s} {'TTFT s':>7s} {'load ms':>8s} {'prefill ms':>10s} {'prompt ms':>9s}"
-    )
-    for name, r in [("alone", median["alone"]), *((str(k), r) for k, r in enumerate(median["burst"]))]:
-        print(
-            f"{name:>8s} {r['sent_s']:7.3f} {r['ttft_s']:7.3f} {r['load_ms']:8.1f} "
-            f"{r['prefill_ms']:10.1f} {r['prompt_ms']:9.1f}"
-        )
-    print(f"the burst: {median['burst_steps']} model steps, {median['burst_busy_s']} s in forward passes")
-    summary = {
-        "worst_over_alone_median": statistics.median(r["worst_over_alone"] for r in rounds),
-        "alone_s_median": statistics.median(r["alone"]["ttft_s"] for r in rounds),
-        "worst_s_median": statistics.median(r["worst_s"] for r in rounds),
-    }
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    for k in range(args.rounds):
+        order = list(sides) if k % 2 == 0 else list(reversed(sides))  # in turns: drift hits both
+        for name in order:
+            rounds[name].append(one_round(sides[name], texts, root / f"gateway-{name}.log"))
+    summary = {name: summarize(name, rounds[name]) for name in sides}
+    if args.baseline_env:
+        summary["ratio_this_over_baseline"] = {
+            key: round(summary["this"][key] / summary["baseline"][key], 3) for key in summary["this"]
+        }
     print(json.dumps(summary))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {**vars(args), "out": str(args.out)}, "summary": summary,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from engine.ragged import Segment
 from engine.sampling import SamplingParams
 from scheduler.generation import Generation, GenerationJob, PrefixReport, PromptDone, TokenEvent
 from scheduler.kv_memory import KVMemory
+from scheduler import step_loop
 from scheduler.step_loop import (
     BACKGROUND_NEAR_STEP_TOKENS,
     BACKGROUND_STEP_TOKENS,
@@ -56,15 +58,14 @@ def chat_ids(runner: ModelRunner, text: str) -> list[int]:
     return list(runner.tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
-def start(
-    loop: StepLoop,
+def generation(
     runner: ModelRunner,
     prompt: list[int],
     max_tokens: int,
     sampling: SamplingParams | None = None,
     cancel: threading.Event | None = None,
     on_finished=lambda g: None,
-) -> Collected:
+) -> tuple[Generation, Collected]:
     job = GenerationJob(
         prompt_ids=prompt,
         max_tokens=max_tokens,
@@ -76,9 +77,13 @@ def start(
     out = Collected()
     report = PrefixReport(0, len(prompt), [], 0.0, 0.0, [])
     kv = runner.new_kv(job.capacity)
-    loop.submit(
-        Generation(job, runner, kv, 0, report, out.emit, cancel or threading.Event(), on_finished=on_finished)
-    )
+    gen = Generation(job, runner, kv, 0, report, out.emit, cancel or threading.Event(), on_finished=on_finished)
+    return gen, out
+
+
+def start(loop: StepLoop, runner: ModelRunner, prompt: list[int], max_tokens: int, *args, **kwargs) -> Collected:
+    gen, out = generation(runner, prompt, max_tokens, *args, **kwargs)
+    loop.submit(gen)
     return out
 
 
@@ -333,3 +338,93 @@ def test_background_prefill_keeps_out_of_interactive_steps(runner):
     whole = runner.new_kv(len(ids))
     runner.forward_ragged([Segment(whole, 0, ids, "none")])
     assert torch.allclose(kv, whole, atol=1e-4)
+
+
+# -- a step of fresh prompts waits for loads in flight (step_loop.MAX_HOLD_S) ------------------------
+
+
+@pytest.fixture
+def long_hold(monkeypatch):
+    """Holds bounded by 60 s instead of MAX_HOLD_S, so that no test depends on the machine's speed."""
+    monkeypatch.setattr(step_loop, "MAX_HOLD_S", 60.0)
+
+
+def test_a_loaded_prompt_waits_for_a_load_in_flight_and_they_share_their_first_step(runner, long_hold):
+    loop = StepLoop(runner, max_num_seqs=4, max_batched_tokens=64)
+    loop.prefill_seconds = lambda tokens, past: 60.0
+    first, second = Future(), Future()
+    try:
+        loop.submit_loading(first)
+        loop.submit_loading(second)
+        gen1, out1 = generation(runner, chat_ids(runner, PROMPTS[0]), 2)
+        first.set_result(gen1)
+        time.sleep(0.3)
+        assert loop.stats.steps == 0 and out1.tokens == [], "the loaded prompt ran before the other load ended"
+        assert loop.model_busy() is False  # the codec may take every core meanwhile
+        gen2, out2 = generation(runner, chat_ids(runner, PROMPTS[1]), 2)
+        second.set_result(gen2)
+        wait_all([out1, out2], timeout=120)
+    finally:
+        loop.stop()
+    assert out1.reason == out2.reason == "length"
+    assert not gen1.prefill_alone and not gen2.prefill_alone, "the two prompts did not share a step"
+    assert loop.stats.holds == 1 and loop.stats.held_s >= 0.3
+
+
+def test_the_hold_is_bounded_when_a_load_never_ends(runner):
+    loop = StepLoop(runner, max_num_seqs=4, max_batched_tokens=64)
+    loop.prefill_seconds = lambda tokens, past: 0.2
+    stuck: Future = Future()
+    try:
+        loop.submit_loading(stuck)
+        out = start(loop, runner, chat_ids(runner, PROMPTS[2]), 2)
+        wait_all([out], timeout=120)
+        assert out.reason == "length"
+        assert loop.stats.holds == 1 and 0.2 <= loop.stats.held_s < 10
+    finally:
+        stuck.set_result(None)  # the request ended while loading
+        loop.stop()
+
+
+def test_nothing_waits_for_loads_while_a_stream_decodes_or_without_a_profile(runner, long_hold):
+    loop = StepLoop(runner, max_num_seqs=4, max_batched_tokens=64)
+    loop.prefill_seconds = lambda tokens, past: 60.0
+    stuck: Future = Future()
+    stream_cancel = threading.Event()
+    try:
+        stream = start(loop, runner, chat_ids(runner, PROMPTS[0]), 400, cancel=stream_cancel)
+        while not stream.tokens:
+            time.sleep(0.01)
+        loop.submit_loading(stuck)
+        late = start(loop, runner, chat_ids(runner, PROMPTS[3]), 2)
+        wait_all([late], timeout=30)  # a hold would have taken 60 s
+        assert late.reason == "length" and not stream.done.is_set()
+        stream_cancel.set()
+        wait_all([stream], timeout=30)
+        loop.prefill_seconds = None  # as the gateway with CACHEGEN_HOLD_FOR_LOADS=false
+        alone = start(loop, runner, chat_ids(runner, PROMPTS[4]), 2)
+        wait_all([alone], timeout=30)
+        assert alone.reason == "length"
+    finally:
+        stuck.set_result(None)
+        loop.stop()
+    assert loop.stats.holds == 0
+
+
+def test_a_load_s_text_chunk_is_never_held_back(runner, long_hold):
+    """A load that recomputes a chunk from text needs the model to end: a fresh prompt beside it
+    must not hold the step its text chunk runs in."""
+    loop = StepLoop(runner, max_num_seqs=4, max_batched_tokens=64)
+    loop.prefill_seconds = lambda tokens, past: 60.0
+    loading: Future = Future()
+    ids = chat_ids(runner, " ".join(PROMPTS))
+    try:
+        loop.submit_loading(loading)
+        out = start(loop, runner, chat_ids(runner, PROMPTS[5]), 2)
+        text = loop.prefill_async(runner.new_kv(len(ids)), 0, ids)
+        assert text.result(30) is True
+        wait_all([out], timeout=30)
+        assert out.reason == "length"
+    finally:
+        loading.set_result(None)
+        loop.stop()
