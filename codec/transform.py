@@ -51,6 +51,33 @@ class TransformError(ValueError):
 
 
 @dataclass(frozen=True, eq=False)
+class RowScale:
+    """Token rows of some layers' coefficients, keys and values both, to multiply by ``ratio``
+    before the inverse (scheme 5's salient tokens, coded on a finer step). ``layer`` and ``token``
+    (int64, one pair per row; tokens counted from the first of the inverse's ``values``)."""
+
+    layer: np.ndarray
+    token: np.ndarray
+    ratio: float
+
+    @cached_property
+    def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(group = layer * 2 + K/V, K/V, token) for the keys' rows, then the values'."""
+        kv = np.repeat(np.arange(2, dtype=np.int64), self.layer.size)
+        layer, token = np.tile(self.layer, 2), np.tile(self.token, 2)
+        return layer * 2 + kv, kv, token
+
+    def apply_(self, values: torch.Tensor, first: int, end: int) -> None:
+        """Scale the rows of groups ``first:end`` of ``values`` (layers, 2, heads, tokens, dim), in
+        place, in float32 (any strides: indexing, never a flattened copy)."""
+        group, kv, token = self._rows
+        take = (group >= first) & (group < end)
+        if take.any():
+            index = [torch.from_numpy(a[take]).to(values.device) for a in (group // 2, kv, token)]
+            values[index[0], index[1], :, index[2], :] *= self.ratio
+
+
+@dataclass(frozen=True, eq=False)
 class KVTransform:
     mean: np.ndarray  # (layers, 2, C) float32, C = kv_heads * head_dim
     weight: np.ndarray  # (layers, 2, C) float32, > 0
@@ -130,17 +157,24 @@ class KVTransform:
             self._device[(device, bf16)] = (decode, mean.to(device))
         return self._device[(device, bf16)]
 
-    def inverse_(self, values: torch.Tensor, position: int, bf16: bool | None = None) -> None:
+    def inverse_(
+        self, values: torch.Tensor, position: int, bf16: bool | None = None, scale: RowScale | None = None
+    ) -> None:
         """Turn the coefficients in ``values`` (layers, 2, heads, tokens, head_dim), float32, any
         strides, whose first token is at ``position``, into KV, in place, on their device.
 
         ``bf16``: multiply in bf16 (float32 accumulation, the product rounded to bf16, the mean
-        and RoPE in float32); None: where the device has a native bf16 matmul (``bf16_inverse``)."""
+        and RoPE in float32); None: where the device has a native bf16 matmul (``bf16_inverse``).
+        ``scale``: rows multiplied first, on the CPU by each lane for its own groups (the same
+        float32 products as one call before the inverse)."""
         layers, _, heads, tokens, dim = values.shape
         if tokens == 0:
             return
         if bf16 is None:
             bf16 = bf16_inverse(values.device)
+        lanes = bf16 and values.device.type == "cpu"
+        if scale is not None and not lanes:
+            scale.apply_(values, 0, layers * 2)
         decode, mean = self._on(values.device, bf16)
         c = heads * dim
         coefficients = values.permute(0, 1, 3, 2, 4)
@@ -152,6 +186,8 @@ class KVTransform:
                 into, source = y.view(layers * 2, tokens, heads, dim), coefficients.flatten(0, 1)
 
                 def lane(i: int, j: int) -> None:  # each of the codec's threads: its groups
+                    if scale is not None and lanes:
+                        scale.apply_(values, i, j)
                     into[i:j].copy_(source[i:j])
                     torch.bmm(y[i:j], decode[i:j], out=product[i:j])
 

@@ -37,7 +37,7 @@ import torch
 from codec import quantized
 from codec.errors import CodecError
 from codec.quantized import DEFAULT_GROUPS, STEP_TABLE, QuantBody
-from codec.transform import ID_BYTES, KVTransform
+from codec.transform import ID_BYTES, KVTransform, RowScale
 
 # transform id, position of the chunk's first token in its context
 _PREFIX = struct.Struct(f"<{ID_BYTES}sI")
@@ -203,7 +203,8 @@ def inverse_(body: TransformBody, values: torch.Tensor, bf16: bool | None = None
     """Turn a decoded chunk's coefficients in ``values`` (its float32 output, any strides, on any
     device) into KV in place; its exact tokens are already KV. ``bf16``: as ``KVTransform.inverse_``."""
     e = body.exact_tokens
+    scale = None
     if body.salient_rows is not None and body.salient_rows[0].size:  # back from the group's step to their own
-        layer, token = (torch.from_numpy(i).to(values.device) for i in body.salient_rows)
-        values[layer, :, :, token, :] *= body.salient_ratio
-    body.transform.inverse_(values[:, :, :, e:], body.position + e, bf16)
+        layer, token = body.salient_rows
+        scale = RowScale(layer, token - e, body.salient_ratio)
+    body.transform.inverse_(values[:, :, :, e:], body.position + e, bf16, scale)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
+import numpy as np
 import pytest
 import torch
 
@@ -53,7 +54,7 @@ def test_one_lane_where_torch_has_its_own_threads():
 def test_the_inverse_on_split_lanes_is_the_one_lane_inverse():
     """The bf16 inverse as the gateway's codec threads run it (its copy and matmul split in two)
     gives the bits of the inverse on one lane, into a slice of a larger buffer as the loader's."""
-    from codec.transform import fit_transform
+    from codec.transform import RowScale, fit_transform
 
     layers, heads, dim, tokens = 3, 2, 16, 40
     g = torch.Generator().manual_seed(0)
@@ -62,16 +63,28 @@ def test_the_inverse_on_split_lanes_is_the_one_lane_inverse():
     t = fit_transform(kv, torch.ones(layers, heads, dim).numpy(), inv_freq=inv_freq, model="m")
     coefficients = torch.randn(layers, 2, heads, tokens, dim, generator=g)
 
-    def inverse(numba_threads: int) -> torch.Tensor:
+    # salient rows in layers 0 and 2: with three layers in two lanes, each lane scales its own
+    scale = RowScale(np.array([0, 0, 2]), np.array([1, 39, 7]), 0.25)
+
+    def inverse(numba_threads: int, rows: RowScale | None) -> torch.Tensor:
         buffer = torch.zeros(layers, 2, heads, tokens + 5, dim)
         buffer[:, :, :, 5:] = coefficients
 
         def run():
             assert split_matmul.lanes(layers * 2, buffer.device) == numba_threads
-            t.inverse_(buffer[:, :, :, 5:], 300, bf16=True)
+            t.inverse_(buffer[:, :, :, 5:], 300, bf16=True, scale=rows)
             return buffer
 
         return on_a_codec_thread(run, numba_threads)
 
-    one, two = inverse(1), inverse(2)
+    one, two = inverse(1, None), inverse(2, None)
     assert torch.equal(two, one) and not torch.equal(two[:, :, :, 5:], coefficients)
+    # the rows scaled by the lanes: the bits of scaling them all first, then the one-lane inverse
+    original = coefficients
+    coefficients = original.clone()
+    coefficients[scale.layer, :, :, scale.token, :] *= scale.ratio
+    before = inverse(1, None)
+    coefficients = original
+    for numba_threads in (1, 2):
+        assert torch.equal(inverse(numba_threads, scale), before)
+    assert not torch.equal(inverse(2, None), before)  # the rows matter
