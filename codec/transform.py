@@ -172,8 +172,8 @@ class KVTransform:
             return
         if bf16 is None:
             bf16 = bf16_inverse(values.device)
-        lanes = bf16 and values.device.type == "cpu"
-        if scale is not None and not lanes:
+        in_lanes = bf16 and values.device.type == "cpu"  # the split inverse: each lane scales its groups
+        if scale is not None and not in_lanes:
             scale.apply_(values, 0, layers * 2)
         decode, mean = self._on(values.device, bf16)
         c = heads * dim
@@ -186,7 +186,7 @@ class KVTransform:
                 into, source = y.view(layers * 2, tokens, heads, dim), coefficients.flatten(0, 1)
 
                 def lane(i: int, j: int) -> None:  # each of the codec's threads: its groups
-                    if scale is not None and lanes:
+                    if scale is not None and in_lanes:
                         scale.apply_(values, i, j)
                     into[i:j].copy_(source[i:j])
                     torch.bmm(y[i:j], decode[i:j], out=product[i:j])
