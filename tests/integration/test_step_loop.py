@@ -368,7 +368,7 @@ def test_a_loaded_prompt_waits_for_a_load_in_flight_and_they_share_their_first_s
         loop.stop()
     assert out1.reason == out2.reason == "length"
     assert not gen1.prefill_alone and not gen2.prefill_alone, "the two prompts did not share a step"
-    assert loop.stats.holds == 1 and loop.stats.held_s >= 0.3
+    assert loop.stats.holds == 1 and loop.stats.held_s > 0.2  # held through the 0.3 s sleep, from its wake-up
 
 
 def test_the_hold_is_bounded_when_a_load_never_ends(runner):
