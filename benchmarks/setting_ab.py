@@ -2,6 +2,10 @@
 
     python -m benchmarks.setting_ab --baseline-env CACHEGEN_MALLOC_TRIM_INTERVAL_S=0 --rounds 2 \\
         --out benchmarks/results/setting_ab_malloc_trim.json
+    python -m benchmarks.setting_ab --baseline 7ba0a7b --rounds 4
+
+With ``--baseline REV`` the baseline is that revision's code (a git worktree), with this side's
+settings.
 
 Each round starts a gateway with the baseline's settings and one with this checkout's defaults
 (plus ``--env``), one after the other (the baseline first in even rounds, second in odd ones, so
@@ -17,9 +21,10 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
-from benchmarks.ab import alternate, medians, report
+from benchmarks.ab import REPO, alternate, baseline_worktree, medians, report
 from benchmarks.vs_vllm import LICENCE, gateway_env, peak_rss_gb, run_all
 from engine.loading import convert_default_model, default_cache_dir
 from tests.gateway_process import GatewayProcess
@@ -32,10 +37,12 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return dict(pairs)  # type: ignore[arg-type]
 
 
-def one_gateway(env: dict[str, str], text: str, args: argparse.Namespace, root: Path) -> dict[str, float]:
+def one_gateway(
+    env: dict[str, str], text: str, args: argparse.Namespace, root: Path, repo: Path = REPO
+) -> dict[str, float]:
     model = convert_default_model(default_cache_dir())
     store = Path(tempfile.mkdtemp(dir=root))
-    with GatewayProcess(gateway_env(model, "float32", store) | env, store / "gateway.log") as g:
+    with GatewayProcess(gateway_env(model, "float32", store) | env, store / "gateway.log", repo=repo) as g:
         assert g.proc is not None
         out = run_all(g.url, text, args.duration, [args.concurrency])
         out["peak_rss_gb"] = peak_rss_gb(g.proc.pid)
@@ -45,7 +52,9 @@ def one_gateway(env: dict[str, str], text: str, args: argparse.Namespace, root: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline-env", nargs="+", required=True, help="NAME=VALUE settings of the baseline")
+    base = parser.add_mutually_exclusive_group(required=True)
+    base.add_argument("--baseline-env", nargs="+", help="NAME=VALUE settings of the baseline")
+    base.add_argument("--baseline", help="a git revision: the baseline runs its code, with this side's settings")
     parser.add_argument("--env", nargs="*", default=[], help="NAME=VALUE settings of this side")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -53,13 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/setting_ab.json"))
     args = parser.parse_args(argv)
     text = LICENCE.read_text()[:17000]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        repos = {"this": REPO, "baseline": REPO}
+        if args.baseline:
+            repos["baseline"] = stack.enter_context(baseline_worktree(args.baseline, Path(tmp)))
         sides = alternate(
-            {"baseline": parse_env(args.baseline_env), "this": parse_env(args.env)},
+            {"baseline": parse_env(args.baseline_env or args.env), "this": parse_env(args.env)},
             args.rounds,
-            lambda _, env, __: one_gateway(env, text, args, Path(tmp)),
+            lambda name, env, __: one_gateway(env, text, args, Path(tmp), repos[name]),
         )
-    report(args.out, " ".join(args.baseline_env), sides, medians(sides))
+    report(args.out, args.baseline or " ".join(args.baseline_env), sides, medians(sides))
     return 0
 
 
