@@ -316,9 +316,9 @@ class StepLoop:
 
     def _hold_for_loads(self) -> None:
         """Under the lock: while the next step would run fresh prompts only and loads are in
-        flight, wait for them, up to the time that step is predicted to take (see the module's
+        flight, wait for them, up to the time that step would take beside them (see the module's
         docstring). Ends early when the loads are done or other work arrives."""
-        predicted = self._hold_time()
+        predicted = self._holdable_step_s()
         if predicted <= 0:
             return
         started = time.monotonic()
@@ -328,15 +328,16 @@ class StepLoop:
             while not self._stopping and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
                 self._take_arrivals()
-                if self._hold_time() <= 0:
+                if self._holdable_step_s() <= 0:
                     break
         finally:
             self._holding = False
             self.stats.holds += 1
             self.stats.held_s += time.monotonic() - started
 
-    def _hold_time(self) -> float:
-        """Under the lock: how long the next step may wait for loads in flight; 0: not at all."""
+    def _holdable_step_s(self) -> float:
+        """Under the lock: the profile's time for the next step where it may wait for loads in
+        flight; 0 where it may not."""
         if self.prefill_seconds is None or self._calls or all(load.done() for load in self._loading):
             return 0.0
         fresh = [*self._running, *self._waiting]
