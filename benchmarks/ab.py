@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,6 +25,33 @@ def baseline_worktree(revision: str, root: Path) -> Iterator[Path]:
         yield worktree
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, check=False)
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    """``NAME=VALUE`` items as a dict of settings."""
+    pairs = [item.split("=", 1) for item in items]
+    if any(len(pair) != 2 for pair in pairs):
+        raise SystemExit(f"settings are NAME=VALUE: {items}")
+    return dict(pairs)  # type: ignore[arg-type]
+
+
+def add_baseline_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--baseline-env`` or ``--baseline REV``, one of them required; then ``--env``."""
+    base = parser.add_mutually_exclusive_group(required=True)
+    base.add_argument("--baseline-env", nargs="+", help="NAME=VALUE settings of the baseline")
+    base.add_argument(
+        "--baseline", help="a git revision: the baseline runs its code, with this side's settings"
+    )
+    parser.add_argument("--env", nargs="*", default=[], help="NAME=VALUE settings of this side")
+
+
+def side_repos(args: argparse.Namespace, root: Path, stack: ExitStack) -> dict[str, Path]:
+    """Where each side's code runs: this checkout, and for ``--baseline`` that revision's worktree
+    under ``root`` (removed when ``stack`` closes)."""
+    repos = {"baseline": REPO, "this": REPO}
+    if args.baseline:
+        repos["baseline"] = stack.enter_context(baseline_worktree(args.baseline, root))
+    return repos
 
 
 def alternate(

@@ -25,8 +25,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.ab import REPO, alternate, baseline_worktree, medians, report
-from benchmarks.setting_ab import parse_env
+from benchmarks.ab import REPO, add_baseline_arguments, alternate, medians, parse_env, report, side_repos
 from benchmarks.stored_load import store_contexts
 from benchmarks.vs_vllm import DEFAULT_MODEL_NAME, LICENCE, QUESTIONS, context_messages, gateway_env
 from engine.loading import convert_default_model, default_cache_dir
@@ -65,12 +64,7 @@ def one_side(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    base = p.add_mutually_exclusive_group(required=True)
-    base.add_argument("--baseline-env", nargs="+", help="NAME=VALUE settings of the baseline")
-    base.add_argument(
-        "--baseline", help="a git revision: the baseline runs its code, with this side's settings"
-    )
-    p.add_argument("--env", nargs="*", default=[], help="NAME=VALUE settings of this side")
+    add_baseline_arguments(p)
     p.add_argument("--level", default="medium")
     p.add_argument("--seconds", type=float, default=10.0, help="of requests per gateway")
     p.add_argument("--rounds", type=int, default=2)
@@ -84,9 +78,7 @@ def main() -> None:
         for name, settings in (("baseline", args.baseline_env or args.env), ("this", args.env))
     }
     with ExitStack() as stack:
-        repos = {"this": REPO, "baseline": REPO}
-        if args.baseline:
-            repos["baseline"] = stack.enter_context(baseline_worktree(args.baseline, root))
+        repos = side_repos(args, root, stack)
         for name, side_env in envs.items():
             store_contexts(side_env, [text], root / f"encode-{name}.log", repos[name])  # its own layout
         sides = alternate(

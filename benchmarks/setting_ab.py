@@ -24,17 +24,10 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from benchmarks.ab import REPO, alternate, baseline_worktree, medians, report
+from benchmarks.ab import REPO, add_baseline_arguments, alternate, medians, parse_env, report, side_repos
 from benchmarks.vs_vllm import LICENCE, gateway_env, peak_rss_gb, run_all
 from engine.loading import convert_default_model, default_cache_dir
 from tests.gateway_process import GatewayProcess
-
-
-def parse_env(items: list[str]) -> dict[str, str]:
-    pairs = [item.split("=", 1) for item in items]
-    if any(len(pair) != 2 for pair in pairs):
-        raise SystemExit(f"settings are NAME=VALUE: {items}")
-    return dict(pairs)  # type: ignore[arg-type]
 
 
 def one_gateway(
@@ -52,10 +45,7 @@ def one_gateway(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    base = parser.add_mutually_exclusive_group(required=True)
-    base.add_argument("--baseline-env", nargs="+", help="NAME=VALUE settings of the baseline")
-    base.add_argument("--baseline", help="a git revision: the baseline runs its code, with this side's settings")
-    parser.add_argument("--env", nargs="*", default=[], help="NAME=VALUE settings of this side")
+    add_baseline_arguments(parser)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--duration", type=float, default=20.0)
@@ -63,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = LICENCE.read_text()[:17000]
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-        repos = {"this": REPO, "baseline": REPO}
-        if args.baseline:
-            repos["baseline"] = stack.enter_context(baseline_worktree(args.baseline, Path(tmp)))
+        repos = side_repos(args, Path(tmp), stack)
         sides = alternate(
             {"baseline": parse_env(args.baseline_env or args.env), "this": parse_env(args.env)},
             args.rounds,

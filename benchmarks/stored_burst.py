@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.setting_ab import parse_env
+from benchmarks.ab import parse_env
 from benchmarks.vs_vllm import DEFAULT_MODEL_NAME, QUESTIONS, context_messages, gateway_env
 from benchmarks.workload import build_contexts, load_tokenizer, pre_encode
 from engine.loading import convert_default_model, default_cache_dir
