@@ -165,8 +165,9 @@ class Settings(BaseSettings):
     )
     hold_for_loads: bool = Field(
         True,
-        description="a step of new prompts only waits for prefix loads in flight, for at most that step's "
-        "predicted time, so a burst of questions on stored contexts shares one step (scheduler/step_loop.py)",
+        description="a step of new prompts only waits for prefix loads in flight, for at most 3x that step's "
+        "predicted time and 0.25 s, so a burst of questions on stored contexts shares one step "
+        "(scheduler/step_loop.py)",
     )
     default_max_tokens: int = Field(512, ge=1, description="chat max_tokens when the client sets none")
     log_level: Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(_lower)] = "info"
