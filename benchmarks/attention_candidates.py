@@ -69,7 +69,9 @@ class Step:
 
         self.shape = shape
         self.buffers = [torch.randn(1, 2, KV_HEADS, past + new, DIM) for past, new in shape]
-        self.segments = [Segment(kv, past, [0] * new) for kv, (past, new) in zip(self.buffers, shape)]
+        self.segments = [
+            Segment(kv, past, [0] * new, decode=new == 1) for kv, (past, new) in zip(self.buffers, shape)
+        ]
         total = sum(new for _, new in shape)
         self.query = torch.randn(1, Q_HEADS, total, DIM)
         self.key = torch.randn(1, KV_HEADS, total, DIM)

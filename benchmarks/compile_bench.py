@@ -54,7 +54,8 @@ def run_variant(variant: str, rounds: int) -> dict:
         buffers = [runner.new_kv(n + 1) for n in lengths]
         for kv, n in zip(buffers, lengths):
             runner.forward_ragged([Segment(kv, 0, ids[:n], "none")])
-        return lambda: runner.forward_ragged([Segment(kv, n, [5]) for kv, n in zip(buffers, lengths)])
+        segments = [Segment(kv, n, [5], decode=True) for kv, n in zip(buffers, lengths)]
+        return lambda: runner.forward_ragged(segments)
 
     work = {f"decode {b}": decode_step(b) for b in (1, 8, 16)}
     work["prefill 512"] = lambda: runner.forward_ragged([Segment(runner.new_kv(512), 0, ids[:512], "last")])

@@ -58,7 +58,8 @@ def engine_tokens(runner, batch: list[list[int]], max_tokens: int) -> int:
         generated += len(tokens)
         if step + 1 == max_tokens:
             break
-        logits = runner.forward_ragged([Segment(kv, n, [t]) for kv, n, t in zip(buffers, lengths, tokens)])
+        step = [Segment(kv, n, [t], decode=True) for kv, n, t in zip(buffers, lengths, tokens)]
+        logits = runner.forward_ragged(step)
         lengths = [n + 1 for n in lengths]
     return generated
 

@@ -3,10 +3,8 @@
 For each precision (``--dtypes``: ``float32``, ``bf16-weights``, ``bfloat16``)
 the default model is loaded and, for each batch size, a decode step is timed:
 
-- ``batched``: the step loop's path (``engine/ragged.py``): decodes attended
-  in one batched call per layer;
-- ``looped``: the same with the batching off (``BATCH_MAX_KEYS = 0``), one
-  attention call per sequence and layer, as before;
+- ``step``: the step loop's path (``engine/ragged.py``), each decode
+  attended by itself (batch-invariant);
 - ``plain head``: the step loop's path with the output projection as a plain
   ``nn.Linear`` (MKL), where the runner has packed it for oneDNN
   (``engine/packed_linear.py``: float32 on a CPU);
@@ -116,19 +114,9 @@ def measure(runner, ids, batches, args) -> list[dict]:
             runner.forward_ragged([Segment(kv, 0, ids[:n], "none")])
 
         def ragged_step(buffers=buffers, lengths=lengths) -> None:
-            runner.forward_ragged([Segment(kv, n, [5]) for kv, n in zip(buffers, lengths)])
+            runner.forward_ragged([Segment(kv, n, [5], decode=True) for kv, n in zip(buffers, lengths)])
 
-        def with_keys(limit: int):
-            def run() -> None:
-                saved, ragged.BATCH_MAX_KEYS = ragged.BATCH_MAX_KEYS, limit
-                try:
-                    ragged_step()
-                finally:
-                    ragged.BATCH_MAX_KEYS = saved
-
-            return run
-
-        variants = {"batched": with_keys(ragged.BATCH_MAX_KEYS), "looped": with_keys(0)}
+        variants = {"step": ragged_step}
         if runner.packed_output:
             variants["plain_head"] = with_plain_head(runner, ragged_step)
         times: dict[str, list[float]] = {name: [] for name in variants}
@@ -176,7 +164,7 @@ def prefill_seconds(runner, ids, tokens: int, rounds: int) -> tuple[float, float
 def question_steps(runner, ids, count: int, prefix: int, tokens: int, rounds: int) -> dict:
     """One step prefilling ``count`` questions of ``tokens`` tokens, each after ``prefix`` cached tokens
     in a buffer of its own (as loads leave them), against one such question alone; medians of
-    ``rounds`` alternating runs, and the attention's share of the batched step."""
+    ``rounds`` alternating runs, and the attention's share of the step of them all."""
     from engine import ragged
     from engine.ragged import Segment
 
@@ -267,17 +255,17 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=2))
     padded = " padded ms |" if args.padded else ""
-    head = " plain head ms | plain head / batched |"
-    print(f"\n| precision | batch | batched ms | looped ms | looped / batched | batched tok/s |{head}{padded}")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.padded else ""))
+    head = " plain head ms | plain head / step |"
+    print(f"\n| precision | batch | step ms | tok/s |{head}{padded}")
+    print("|---|---:|---:|---:|---:|---:|" + ("---:|" if args.padded else ""))
     for result in results:
         for r in result["rows"]:
             plain = r.get("plain_head_ms")
-            extra = f" {plain} | {plain / r['batched_ms']:.2f} |" if plain else " - | - |"
+            extra = f" {plain} | {plain / r['step_ms']:.2f} |" if plain else " - | - |"
             extra += f" {r['padded_ms']} |" if args.padded else ""
             print(
-                f"| {result['precision']} | {r['batch']} | {r['batched_ms']} | {r['looped_ms']} | "
-                f"{r['looped_ms'] / r['batched_ms']:.2f} | {r['batch'] / r['batched_ms'] * 1000:.1f} |{extra}"
+                f"| {result['precision']} | {r['batch']} | {r['step_ms']} | "
+                f"{r['batch'] / r['step_ms'] * 1000:.1f} |{extra}"
             )
     if args.prefill:
         print(f"\n| precision | {args.prefill}-token prefill s | one SDPA forward s | ratio |\n|---|---:|---:|---:|")

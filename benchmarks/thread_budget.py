@@ -65,7 +65,7 @@ def measure(repeats: int, pairs: list[tuple[int, int]]) -> dict[str, dict[str, f
     chunk = encode_chunk(seqs[0][:, :, :, :256].clone(), level)
 
     def step8() -> None:
-        runner.forward_ragged([Segment(kv, 500, [5]) for kv in seqs])
+        runner.forward_ragged([Segment(kv, 500, [5], decode=True) for kv in seqs])
 
     def prefill() -> None:
         runner.forward_ragged([Segment(big, 0, ids[:256], "none")])

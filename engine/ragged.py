@@ -6,15 +6,23 @@ segments are laid end to end in one row, so the model's linear layers see one
 matrix of ``sum(tokens)`` rows: that is where batching pays on a CPU. Rotary
 embeddings follow each token's own position.
 
-Attention reads each sequence's own buffer. The step's decodes (one token
-each) are attended together, in one batched call per layer: their keys and
-values are gathered into a padded batch (``_DecodeBatch``), which costs a copy
-of their KV but saves a dozen small tensor operations per sequence and layer
-(on 2 cores, 16 decodes of 40-180 tokens: 24 against 38 ms of attention per
-step, a whole step 1.10x faster; ``benchmarks/step_bench.py``). A decode whose context is longer than
-``BATCH_MAX_KEYS`` is attended alone, as prefill chunks are: for long
-sequences the gather costs more than the loop it saves. (A paged KV pool
-with a kernel that reads blocks in place would need neither.)
+Attention reads each sequence's own buffer, one sequence at a time, so that a
+sequence's numbers never depend on what shares its step (batch invariance):
+
+- a prompt's chunk goes, on a CPU, to ``engine.tiled_attention``: keys in
+  fixed 256-token tiles at absolute positions, so a query's output is the
+  same bits however the prompt was cut into chunks (the step loop cuts it by
+  what else runs) and whichever buffers its keys sit in;
+- a decode (``Segment.decode``, a sampled token) is two matmuls and a
+  softmax over its own keys (``_one_query``), or over its parts
+  (``_attend_parts``) when it reads shared KV: the same shapes alone or
+  batched.
+
+With bf16 weights (``engine.bf16_weights``) the rest of the step is
+row-invariant too, so a seeded request gives the same tokens alone or beside
+any others (``docs/serving.md``). Attending the decodes one by one costs
+0-8% of a decode step against the padded batch that used to gather them
+(``benchmarks/results/batch_invariant_attention.json``).
 
 transformers lets a model name its attention function; the runner registers
 ``ragged_attention`` under ``ATTENTION_NAME`` and switches the model to it.
@@ -29,9 +37,8 @@ those parts (``Segment.offset``), and its tokens attend to the shared parts
 and to its own buffer, merged by their log-sum-exps (``_attend_parts``):
 nothing is copied or concatenated, and the shared tokens are never written.
 
-Outside ``active``, the function is plain causal attention over
-whatever cache the caller passed (offline tools, single-sequence passes), with
-the causal mask aligned to the end of the keys as transformers' own is.
+Off the CPU, a prompt's chunk goes to SDPA's causal kernel (a first chunk) or
+``_attend_parts`` (a chunk after others), which are not chunk-invariant.
 
 The attention function has no mask to follow, so models whose attention is
 more than causal softmax (sliding windows, logit soft-capping) are refused
@@ -50,6 +57,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from engine.tiled_attention import TiledPrefill
+
 ATTENTION_NAME = "cachegen_ragged"
 
 
@@ -64,6 +73,9 @@ class Segment:
     # read-only KV of the first tokens, in order, each (layers, 2, kv_heads, tokens, head_dim);
     # ``kv`` holds the tokens after them, from its index 0
     shared: tuple[torch.Tensor, ...] = ()
+    # one sampled token (attended by itself: ``_one_query``, or ``_attend_parts`` over shared KV),
+    # not a prompt's (``engine.tiled_attention`` on a CPU): a one-token chunk of a prompt is a prompt's
+    decode: bool = False
 
     @property
     def end(self) -> int:
@@ -80,79 +92,18 @@ class Segment:
         return [part[layer] for part in self.shared] + [own]
 
 
-BATCH_MAX_KEYS = 1024  # decodes over longer contexts are attended one by one
-
-
-class _DecodeBatch:
-    """The decodes of one step that are attended together; the same for every layer.
-
-    Its keys and values are gathered per layer into one ``(2, batch, kv_heads,
-    longest, head_dim)`` tensor, zeroed once per step: every layer writes the
-    same positions, so those past a sequence's end stay zero (they are also
-    masked out of the scores).
-    """
-
-    def __init__(self, members: list[tuple[Segment, int]], device: torch.device) -> None:
-        self.segments = [segment for segment, _ in members]
-        self.rows = torch.tensor([row for _, row in members], device=device)
-        ends = torch.tensor([segment.end for segment in self.segments], device=device)
-        self.longest = max(segment.end for segment in self.segments)
-        self.padding = (torch.arange(self.longest, device=device) >= ends[:, None])[:, None, None, :]
-        self._gathered: torch.Tensor | None = None
-
-    def attend(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float | None,
-        out: torch.Tensor,
-    ) -> None:
-        """Write this batch's new keys and values into their buffers and its outputs into ``out``."""
-        segments, rows = self.segments, self.rows
-        new_kv = torch.stack((key[0, :, rows], value[0, :, rows]))  # (2, kv_heads, batch, dim)
-        own = [s.kv[layer, :, :, s.start - s.offset] for s in segments]
-        torch._foreach_copy_(own, list(new_kv.unbind(2)))
-        kv_heads, dim = key.shape[1], key.shape[3]
-        batch = len(segments)
-        if self._gathered is None:
-            shape = (2, batch, kv_heads, self.longest, dim)
-            self._gathered = torch.zeros(shape, dtype=key.dtype, device=key.device)
-        gathered = self._gathered
-        into, sources = [], []
-        for b, segment in enumerate(segments):
-            at = 0
-            for part in segment.parts(layer):
-                into.append(gathered[:, b, :, at : at + part.shape[2]])
-                sources.append(part)
-                at += part.shape[2]
-        torch._foreach_copy_(into, sources)
-        grouped = query[0, :, rows].transpose(0, 1).reshape(batch, kv_heads, -1, dim)
-        scores = torch.matmul(grouped, gathered[0].transpose(2, 3))
-        scores.mul_(scale if scale is not None else dim**-0.5).masked_fill_(self.padding, float("-inf"))
-        attended = torch.matmul(torch.softmax(scores, dim=-1), gathered[1])  # (batch, kv_heads, group, dim)
-        out[0, :, rows] = attended.reshape(batch, -1, dim).transpose(0, 1)
-
-
 _state = threading.local()
 
 
 @contextmanager
 def active(segments: Sequence[Segment]) -> Iterator[None]:
     """Route this thread's attention calls to ``segments`` for the duration."""
-    offsets, at = [], 0
+    work, at = [], 0
     for segment in segments:
-        offsets.append(at)
+        tiled = not segment.decode and segment.kv.device.type == "cpu"
+        work.append((segment, at, TiledPrefill(segment) if tiled else None))
         at += len(segment.token_ids)
-    batched, alone = [], []
-    for segment, row in zip(segments, offsets):
-        short_decode = len(segment.token_ids) == 1 and segment.end <= BATCH_MAX_KEYS
-        (batched if short_decode else alone).append((segment, row))
-    if len(batched) == 1:
-        alone, batched = alone + batched, []
-    decodes = _DecodeBatch(batched, segments[0].kv.device) if batched else None
-    _state.batch = (alone, decodes)
+    _state.batch = work
     try:
         yield
     finally:
@@ -171,31 +122,33 @@ def ragged_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: ``query`` (1, q_heads, tokens, dim), ``key``/``value``
     (1, kv_heads, tokens, dim) after rotary; returns (1, tokens, q_heads, dim)."""
-    batch = getattr(_state, "batch", None)
-    if batch is None:
+    work = getattr(_state, "batch", None)
+    if work is None:
         raise RuntimeError("ragged attention runs only inside engine.ragged.active (ModelRunner.forward_ragged)")
-    alone, decodes = batch
     layer = module.layer_idx
-    out = torch.empty_like(query)
-    if decodes is not None:
-        decodes.attend(layer, query, key, value, scaling, out)
-    for segment, q0 in alone:
-        n = len(segment.token_ids)
-        q1 = q0 + n
+    into, new = [], []  # every segment's new keys and values, written in one call
+    for segment, q0, _ in work:
         buffer = segment.kv[layer]
         first, last = segment.start - segment.offset, segment.end - segment.offset
-        buffer[0, :, first:last] = key[0, :, q0:q1]
-        buffer[1, :, first:last] = value[0, :, q0:q1]
-        if segment.shared or (n > 1 and segment.start > 0):
+        into += [buffer[0, :, first:last], buffer[1, :, first:last]]
+        q1 = q0 + len(segment.token_ids)
+        new += [key[0, :, q0:q1], value[0, :, q0:q1]]
+    torch._foreach_copy_(into, new)
+    out = torch.empty_like(query)
+    for segment, q0, tiled in work:
+        n = len(segment.token_ids)
+        q1 = q0 + n
+        if tiled is not None:
+            out[0, :, q0:q1] = tiled.attend(layer, query[0, :, q0:q1], scaling)
+        elif segment.shared or (n > 1 and segment.start > 0):
             parts = _own_apart(segment.parts(layer), n)
             out[0, :, q0:q1] = _attend_parts(query[0, :, q0:q1], parts, scaling)
-            continue
-        keys = buffer[0, :, : segment.end]
-        values = buffer[1, :, : segment.end]
-        if n == 1:
-            out[0, :, q0] = _one_query(query[0, :, q0], keys, values, scaling)
-        else:  # a prompt's first chunk: SDPA's fused causal path
-            out[0, :, q0:q1] = _causal(query[:, :, q0:q1], keys[None], values[None], scaling)[0].transpose(
+        elif n == 1:
+            own = segment.kv[layer, :, :, : segment.end]
+            out[0, :, q0] = _one_query(query[0, :, q0], own[0], own[1], scaling)
+        else:  # a prompt's first chunk off the CPU: SDPA's fused causal path
+            own = segment.kv[layer, :, :, : segment.end]
+            out[0, :, q0:q1] = _causal(query[:, :, q0:q1], own[0][None], own[1][None], scaling)[0].transpose(
                 0, 1
             )
     return out.transpose(1, 2), None

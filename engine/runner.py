@@ -223,7 +223,7 @@ class ModelRunner:
                 grown = self.new_kv(state.length + max_new_tokens - step)
                 grown[:, :, :, : state.length].copy_(state.prefix)
                 state.kv = grown
-            (out,) = self.forward_ragged([Segment(state.kv, state.length, [token])])
+            (out,) = self.forward_ragged([Segment(state.kv, state.length, [token], decode=True)])
             assert out is not None
             state.length += 1
             logits = out

@@ -167,7 +167,7 @@ class Generation:
         prompt = self.job.prompt_ids
         if not self.prefilling:
             assert self.last_token is not None
-            return Segment(self.kv, self.position, [self.last_token], shared=self.shared)
+            return Segment(self.kv, self.position, [self.last_token], shared=self.shared, decode=True)
         if budget <= 0:
             return None
         end = min(len(prompt), self.position + budget)

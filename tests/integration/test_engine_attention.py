@@ -1,9 +1,9 @@
 """The engine's forward path against stock transformers, on the real default model.
 
-A ragged step mixes a long prefill, a short one and several decodes; the
-decodes are attended in one batched call per layer (``engine.ragged``). Every
-sequence's logits must match a plain transformers SDPA forward of that
-sequence alone.
+A ragged step mixes a long prefill, a short one and several decodes
+(``engine.ragged``). Every sequence's logits must match a plain transformers
+SDPA forward of that sequence alone, and with bf16 weights be the same bits
+alone as in any step.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def mixed_step(runner: ModelRunner, ids: list[int]) -> tuple[list[list[int]], li
     decodes = [(kv, n, ids[n + 7]) for kv, n in zip(buffers, decode_lengths)]  # a token that is not ids[n]
     segments = [
         Segment(runner.new_kv(301), 0, ids[:301]),
-        *(Segment(kv, n, [token]) for kv, n, token in decodes),
+        *(Segment(kv, n, [token], decode=True) for kv, n, token in decodes),
         Segment(runner.new_kv(7), 0, ids[40:47]),
     ]
     sequences = [ids[:301], *(ids[:n] + [token] for _, n, token in decodes), ids[40:47]]
@@ -89,31 +89,52 @@ def test_buffers_from_the_kv_pool_serve_the_same_and_fall_back_when_it_is_full(r
         runner.kv_pool = None
 
 
-def test_the_decodes_of_a_step_share_one_attention_call_per_layer(runner, ids, monkeypatch):
-    calls: list[int] = []
-    original = ragged._DecodeBatch.attend
-
-    def counting(self, layer, *args):
-        calls.append(len(self.segments))
-        return original(self, layer, *args)
-
-    monkeypatch.setattr(ragged._DecodeBatch, "attend", counting)
-    mixed_step(runner, ids)
-    assert calls == [3] * runner.num_layers  # three decodes, batched in every layer
-
-    calls.clear()
-    monkeypatch.setattr(ragged, "BATCH_MAX_KEYS", 60)  # the 134-key decode is attended alone
-    sequences, logits = mixed_step(runner, ids)
-    assert calls == [2] * runner.num_layers
-    for tokens, got in zip(sequences, logits):
-        assert torch.allclose(got, stock_last_logits(runner, tokens), atol=2e-3)
+@pytest.fixture(scope="module")
+def bf16_runner(model_dir) -> ModelRunner:
+    return ModelRunner(load_model(str(model_dir), dtype="bf16-weights"))
 
 
-def test_sequences_that_read_shared_kv_match_stock_transformers_and_never_write_it(
-    runner, ids, monkeypatch
-):
-    """Sequences whose first tokens are another buffer's (the prefix cache's shared hits): a
-    prefill chunk, a batched decode, and a decode attended alone, over one or two shared parts."""
+def test_with_bf16_weights_a_sequence_gets_the_same_bits_alone_as_in_any_step(bf16_runner, ids):
+    """Batch invariance: a prompt prefilled in one pass and decoded alone, against the same prompt
+    cut into other chunks beside other prefills and decoded beside other decodes. bf16 weights round
+    every projection's input, so any difference in the sums would show here, grown over 30 layers."""
+    runner = bf16_runner
+    prompt, follow = ids[:300], ids[300:304]
+    kv = runner.new_kv(310)
+    alone = runner.forward_ragged([Segment(kv, 0, prompt)])
+    for i, token in enumerate(follow):
+        alone += runner.forward_ragged([Segment(kv, 300 + i, [token], decode=True)])
+
+    kv = runner.new_kv(310)
+    others = [runner.new_kv(200) for _ in range(3)]
+    runner.forward_ragged(
+        [
+            Segment(others[0], 0, ids[310:460], "none"),
+            Segment(kv, 0, prompt[:77], "none"),
+            Segment(others[1], 0, ids[20:40], "none"),
+        ]
+    )
+    step = [
+        Segment(others[1], 20, [5], decode=True),
+        Segment(kv, 77, prompt[77:]),
+        Segment(others[2], 0, ids[50:80]),
+    ]
+    batched = [runner.forward_ragged(step)[1]]
+    for i, token in enumerate(follow):
+        step = [
+            Segment(others[0], 150 + i, [6], decode=True),
+            Segment(kv, 300 + i, [token], decode=True),
+            Segment(others[2], 30 + i, [7], decode=True),
+        ]
+        batched.append(runner.forward_ragged(step)[1])
+    for position, (a, b) in enumerate(zip(alone, batched)):
+        assert a is not None and b is not None
+        assert torch.equal(a, b), f"logits {position}: {(a - b).abs().max()}"
+
+
+def test_sequences_that_read_shared_kv_match_stock_transformers_and_never_write_it(runner, ids):
+    """Sequences whose first tokens are another buffer's (the prefix cache's shared hits): prefill
+    chunks and decodes, over one or two shared parts."""
     base = runner.new_kv(301)
     runner.forward_ragged([Segment(base, 0, ids[:300], "none")])  # the "cached" run: 300 tokens
     middle = runner.new_kv(40)  # a run built on its first 160 tokens
@@ -128,8 +149,8 @@ def test_sequences_that_read_shared_kv_match_stock_transformers_and_never_write_
         segments = [
             Segment(runner.new_kv(20), 288, ids[288:299], "last", one),  # the rest of the prompt
             Segment(runner.new_kv(20), 192, ids[400:405], "last", two),  # another question
-            Segment(decode_kv, 291, [ids[500]], "last", one),  # a decode after 291 tokens
-            Segment(runner.new_kv(4), 192, [ids[501]], "last", two),
+            Segment(decode_kv, 291, [ids[500]], "last", one, decode=True),  # a decode after 291 tokens
+            Segment(runner.new_kv(4), 192, [ids[501]], "last", two),  # a one-token prompt chunk
         ]
         sequences = [
             ids[:299],
@@ -139,14 +160,12 @@ def test_sequences_that_read_shared_kv_match_stock_transformers_and_never_write_
         ]
         return sequences, runner.forward_ragged(segments)
 
-    for limit in (1024, 100):  # the decodes batched, then attended alone
-        monkeypatch.setattr(ragged, "BATCH_MAX_KEYS", limit)
-        sequences, logits = step()
-        for tokens, got in zip(sequences, logits):
-            want = stock_last_logits(runner, tokens)
-            assert torch.allclose(got, want, atol=2e-3), f"{len(tokens)} tokens: {(got - want).abs().max()}"
-            assert int(got.argmax()) == int(want.argmax())
-        assert torch.equal(base[:, :, :, :300], frozen)  # the shared tokens are only read
+    sequences, logits = step()
+    for tokens, got in zip(sequences, logits):
+        want = stock_last_logits(runner, tokens)
+        assert torch.allclose(got, want, atol=2e-3), f"{len(tokens)} tokens: {(got - want).abs().max()}"
+        assert int(got.argmax()) == int(want.argmax())
+    assert torch.equal(base[:, :, :, :300], frozen)  # the shared tokens are only read
 
 
 def stock_logits_and_greedy(runner: ModelRunner, token_ids: list[int], new_tokens: int):

@@ -157,6 +157,46 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(runner):
     assert alone.tokens == batched.tokens
 
 
+@pytest.fixture(scope="module")
+def bf16_runner(model_dir) -> ModelRunner:
+    return ModelRunner(load_model(str(model_dir), dtype="bf16-weights"))
+
+
+def test_with_bf16_weights_requests_get_the_same_bits_alone_and_batched(bf16_runner):
+    """Batch invariance (``engine.tiled_attention``): with bf16 weights a near-tie is no excuse.
+    Greedy and seeded requests, each alone and then with seven others that are mid-prompt or
+    decoding (so its prompt is cut into other chunks too): the same tokens and the same logprobs,
+    to the bit."""
+    runner = bf16_runner
+    long_prompt = chat_ids(runner, " ".join(PROMPTS) * 6)  # several steps' worth of prompt at 64 a step
+    prompts = [long_prompt] + [chat_ids(runner, p) for p in PROMPTS[1:]]
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    params = [None, seeded] + [None] * (len(prompts) - 2)
+    solo = StepLoop(runner, max_num_seqs=1, max_batched_tokens=64)
+    try:
+        alone = []
+        for prompt, sampling in zip(prompts, params):
+            out = start(solo, runner, prompt, 20, sampling)
+            wait_all([out])
+            alone.append(out)
+    finally:
+        solo.stop()
+    widths: list[int] = []
+    loop = StepLoop(runner, max_num_seqs=8, max_batched_tokens=64, on_step=lambda r, w: widths.append(r))
+    try:
+        batched = []
+        for prompt, sampling in zip(reversed(prompts), reversed(params)):  # the long one arrives last
+            batched.append(start(loop, runner, prompt, 20, sampling))
+            time.sleep(0.05)
+        wait_all(batched)
+    finally:
+        loop.stop()
+    assert max(widths) == 8, "the requests never shared a step"
+    for a, b in zip(alone, reversed(batched)):
+        assert a.tokens == b.tokens
+        assert a.logprobs == b.logprobs
+
+
 def test_long_prompt_is_prefilled_in_chunks_while_a_stream_decodes(runner):
     long_prompt = chat_ids(runner, " ".join(PROMPTS) * 6)
     assert len(long_prompt) > 300
