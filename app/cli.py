@@ -60,8 +60,8 @@ SETTINGS_FLAGS = (
     SettingsFlag(
         "--dtype",
         "dtype",
-        "auto (float32 on a CPU, the model's own on a GPU), float32, bfloat16, float16, bf16-weights "
-        "(float32 with bf16 weights in the linear layers)",
+        "auto (on a CPU bf16-weights where it has native bf16, else float32; the model's own on a GPU), "
+        "float32, bfloat16, float16, bf16-weights (float32 with bf16 weights in the linear layers)",
     ),
     SettingsFlag("--api-key", "api_key", "clients must send 'Authorization: Bearer KEY'", metavar="KEY"),
     SettingsFlag("--store", "store", "KV store: file:///dir, memory:// or s3://bucket/prefix", metavar="URL"),

@@ -17,9 +17,12 @@ step of 8 sequences 78 -> 54 ms, of 16 sequences 124 -> 73 ms, a 1,024-token
 prefill 1.67 -> 0.81 s; one sequence is unchanged (40 -> 38 ms).
 
 This changes the KV a model computes, so the precision is part of every key
-(``LoadedModel.precision``, ``engine.identity``). It is opt-in
-(``CACHEGEN_DTYPE=bf16-weights``) because it is not batch-invariant: see
-docs/serving.md.
+(``LoadedModel.precision``, ``engine.identity``). It is the default on a CPU
+with native bf16 (``CACHEGEN_DTYPE=auto``). A row's product is the same bits
+at any row count but one: oneDNN sums a one-row product in another order, so
+a one-row input is doubled and the first row kept. With the engine's
+batch-invariant attention (``engine.tiled_attention``) a request then gets the
+same tokens alone or batched (docs/serving.md).
 """
 
 from __future__ import annotations

@@ -128,10 +128,10 @@ def load_model(
 ) -> LoadedModel:
     """Load ``reference`` (``smollm2``, a model directory, or a hub id).
 
-    ``dtype`` ``auto``: float32 on a CPU (a whole-bf16 model is slower there, fp16 slower
-    still), the model's own dtype on a GPU. Or ``float32``, ``bfloat16``, ``float16``, or
-    ``bf16-weights``: float32 activations and KV with bf16 weights in the linear layers
-    (``engine.bf16_weights``: faster where the CPU has native bf16, but no longer batch-invariant).
+    ``dtype`` ``auto``: on a CPU, ``bf16-weights`` where it has native bf16 (AVX512-BF16 or
+    AMX), else float32 (a whole-bf16 model is slower there, fp16 slower still); the model's own
+    dtype on a GPU. Or ``float32``, ``bfloat16``, ``float16``, or ``bf16-weights``: float32
+    activations and KV with bf16 weights in the linear layers (``engine.bf16_weights``).
     """
     cache_dir = cache_dir or default_cache_dir()
     dev = pick_device(device)
@@ -141,6 +141,8 @@ def load_model(
     else:
         path = reference
         name = served_name or reference.rstrip("/").split("/")[-1]
+    if dtype == "auto" and dev.type == "cpu" and native_bf16():
+        dtype = BF16_WEIGHTS
     bf16_weights = dtype == BF16_WEIGHTS
     if dtype == "auto":
         torch_dtype: torch.dtype | str = torch.float32 if dev.type == "cpu" else "auto"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import ModelRunner, load_model, ragged
-from engine.bf16_weights import Bf16WeightLinear, use_bf16_weights
+from engine.bf16_weights import Bf16WeightLinear, native_bf16, use_bf16_weights
 from engine.identity import parameters_digest
 from engine.packed_linear import PackedLinear
 from engine.ragged import Segment
@@ -241,8 +241,8 @@ def test_bf16_weights_replace_every_linear_and_keep_the_answers(model_dir, runne
     assert not torch.allclose(got, want, atol=1e-4)  # and the weights really are bf16
 
 
-def test_bf16_weights_only_when_asked_for(model_dir):
-    assert not load_model(str(model_dir)).bf16_weights  # auto: float32 on a CPU
+def test_auto_takes_bf16_weights_where_the_cpu_has_native_bf16(model_dir):
+    assert load_model(str(model_dir)).bf16_weights == native_bf16()
     assert not load_model(str(model_dir), dtype="float32").bf16_weights
 
 
