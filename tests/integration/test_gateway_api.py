@@ -42,7 +42,9 @@ def test_models_lists_the_default_model(client):
 def test_chat_answers(client):
     out = client.chat.completions.create(
         model=MODEL_NAME,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        # a phrasing both float32 and bf16 weights answer; on "What is the capital of France?" this
+        # 135M model's first token is a near-tie ("The" -1.88, "L" -1.97) that bf16 rounding flips
+        messages=[{"role": "user", "content": "Which city is the capital of France?"}],
         max_tokens=12,
         temperature=0,
     )

@@ -7,6 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.bf16_weights import native_bf16
 from tests.conftest import MODEL_NAME
 
 pytestmark = pytest.mark.slow
@@ -52,4 +53,5 @@ def test_the_context_routes_are_under_v1_too(gateway):
 def test_health_names_the_device_and_dtype(gateway):
     health = httpx.get(f"{gateway.url}/health").json()
     assert health["device"] == "cpu" and health["dtype"] == "float32" and health["model"] == MODEL_NAME
-    assert health["weights_dtype"] is None  # bf16 weights only when asked for (CACHEGEN_DTYPE)
+    # CACHEGEN_DTYPE=auto: bf16 weights where the CPU has native bf16
+    assert health["weights_dtype"] == ("bfloat16" if native_bf16() else None)
