@@ -17,15 +17,32 @@ step of 8 sequences 78 -> 54 ms, of 16 sequences 124 -> 73 ms, a 1,024-token
 prefill 1.67 -> 0.81 s; one sequence is unchanged (40 -> 38 ms).
 
 This changes the KV a model computes, so the precision is part of every key
-(``LoadedModel.precision``, ``engine.identity``). It is the default on a CPU
-with native bf16 (``CACHEGEN_DTYPE=auto``). A row's product is the same bits
-at any row count but one: oneDNN sums a one-row product in another order, so
-a one-row input is doubled and the first row kept. With the engine's
-batch-invariant attention (``engine.tiled_attention``) a request then gets the
-same tokens alone or batched (docs/serving.md).
+(``LoadedModel.precision``, ``engine.identity``).
+
+Batch invariance: with the engine's fixed-order attention
+(``engine.tiled_attention``) a request gets the same bits alone or batched
+only if each projection gives a row the same bits at every row count. That is
+the CPU's kernel's property, not ours, so it is measured
+(``sums_rows_alike``) rather than assumed:
+
+- AVX512-BF16 kernels (AMD EPYC, or oneDNN held below AMX): the same bits at
+  every row count but one. oneDNN sums a one-row product in another order, so
+  a one-row input is doubled here and the first row kept.
+- AMX (Intel Xeon): a product of more than 32 rows sums some rows in another
+  order than one of fewer (2-8% of the rows of a 33-512-row product of the
+  default model's projections differ in their last bit), with or without
+  prepacked weights, on one thread or two. Holding oneDNN to AVX512-BF16
+  there makes it invariant but slower than float32 (1,024-token prefill 2.30
+  against 1.56 s, one sequence's decode step 51 against 32 ms).
+
+``CACHEGEN_DTYPE=auto`` takes bf16 weights only where the probe finds them
+invariant (``engine.loading``); asked for explicitly, they run anywhere.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -80,3 +97,48 @@ def use_bf16_weights(model: nn.Module) -> int:
     for parent, name, child in targets:
         setattr(parent, name, Bf16WeightLinear(child))
     return len(targets)
+
+
+# Row counts the probe compares against one product of PROBE_REFERENCE_ROWS rows: one row (the
+# doubled path), a few decodes, and the 33-128 rows where AMX's kernels change their sums
+PROBE_ROWS = (1, 2, 3, 8, 17, 33, 77)
+PROBE_REFERENCE_ROWS = 128
+
+
+def sums_rows_alike(product: Callable[[torch.Tensor], torch.Tensor], in_features: int, seed: int = 0) -> bool:
+    """True if ``product`` gives each row of a random input the same bits whatever the row count.
+
+    ``product`` maps (rows, in_features) float32 to (rows, out); every row of each
+    ``PROBE_ROWS`` product is compared with the same row of one ``PROBE_REFERENCE_ROWS`` product.
+    On AMX, the default model's MLP and output projections fail it."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(PROBE_REFERENCE_ROWS, in_features, generator=generator)
+    reference = product(x)
+    return all(torch.equal(product(x[:rows]), reference[:rows]) for rows in PROBE_ROWS)
+
+
+@cache
+def bf16_rows_invariant(shapes: frozenset[tuple[int, int]]) -> bool:
+    """True if ``Bf16WeightLinear`` gives a row the same bits at every row count for each (out,
+    in) shape, on this CPU (random weights; 0.05-0.6 s for the default model's shapes)."""
+    generator = torch.Generator().manual_seed(0)
+    for out_features, in_features in sorted(shapes):
+        linear = nn.Linear(in_features, out_features, bias=False)
+        distinct = torch.randn(min(out_features, 1024), in_features, generator=generator)  # randn of
+        with torch.no_grad():  # a vocabulary's rows would take most of the probe's time
+            linear.weight.copy_(distinct.repeat(-(-out_features // len(distinct)), 1)[:out_features])
+        layer = Bf16WeightLinear(linear)
+        with torch.inference_mode():
+            if not sums_rows_alike(layer, in_features):
+                return False
+    return True
+
+
+def linear_shapes(model: nn.Module) -> frozenset[tuple[int, int]]:
+    """The (out, in) shapes of ``model``'s ``nn.Linear`` layers."""
+    return frozenset((m.out_features, m.in_features) for m in model.modules() if type(m) is nn.Linear)
+
+
+def bf16_weights_invariant(model: nn.Module) -> bool:
+    """True where this CPU has native bf16 and bf16 weights would keep ``model`` batch-invariant."""
+    return native_bf16() and bf16_rows_invariant(linear_shapes(model))

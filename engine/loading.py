@@ -19,7 +19,7 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.bf16_weights import PRECISION_SUFFIX, native_bf16, use_bf16_weights
+from engine.bf16_weights import PRECISION_SUFFIX, bf16_weights_invariant, native_bf16, use_bf16_weights
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +128,12 @@ def load_model(
 ) -> LoadedModel:
     """Load ``reference`` (``smollm2``, a model directory, or a hub id).
 
-    ``dtype`` ``auto``: on a CPU, ``bf16-weights`` where it has native bf16 (AVX512-BF16 or
-    AMX), else float32 (a whole-bf16 model is slower there, fp16 slower still); the model's own
-    dtype on a GPU. Or ``float32``, ``bfloat16``, ``float16``, or ``bf16-weights``: float32
-    activations and KV with bf16 weights in the linear layers (``engine.bf16_weights``).
+    ``dtype`` ``auto``: on a CPU, ``bf16-weights`` where it has native bf16 and its bf16
+    products keep the engine batch-invariant (``engine.bf16_weights.bf16_weights_invariant``:
+    AVX512-BF16 does, AMX does not), else float32 (a whole-bf16 model is slower there, fp16
+    slower still); the model's own dtype on a GPU. Or ``float32``, ``bfloat16``, ``float16``, or
+    ``bf16-weights``: float32 activations and KV with bf16 weights in the linear layers
+    (``engine.bf16_weights``).
     """
     cache_dir = cache_dir or default_cache_dir()
     dev = pick_device(device)
@@ -141,8 +143,6 @@ def load_model(
     else:
         path = reference
         name = served_name or reference.rstrip("/").split("/")[-1]
-    if dtype == "auto" and dev.type == "cpu" and native_bf16():
-        dtype = BF16_WEIGHTS
     bf16_weights = dtype == BF16_WEIGHTS
     if dtype == "auto":
         torch_dtype: torch.dtype | str = torch.float32 if dev.type == "cpu" else "auto"
@@ -159,11 +159,21 @@ def load_model(
         raise ModelLoadError(f"cannot load model {reference!r}: {exc}") from exc
     model.to(dev).eval()
     dtype_in_use = next(model.parameters()).dtype
-    if bf16_weights:
-        if dev.type == "cpu" and not native_bf16():
+    if dev.type == "cpu" and (bf16_weights or dtype == "auto"):
+        invariant = bf16_weights_invariant(model)
+        if dtype == "auto":
+            bf16_weights = invariant
+            log.info("dtype auto: %s", "bf16 weights" if invariant else "float32")
+        elif not native_bf16():
             log.warning(
                 "bf16 weights on a CPU without native bf16 (AMX, AVX512-BF16): expect them to be slower"
             )
+        elif not invariant:
+            log.warning(
+                "bf16 weights here are not batch-invariant (AMX): a request's tokens may depend on "
+                "what shares its steps (docs/serving.md)"
+            )
+    if bf16_weights:
         use_bf16_weights(model)
     return LoadedModel(
         model=model,

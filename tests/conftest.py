@@ -21,6 +21,15 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def bf16_invariant(model_dir: Path) -> bool:
+    """Whether bf16 weights keep the default model batch-invariant on this CPU, which is whether
+    ``CACHEGEN_DTYPE=auto`` takes them (AVX512-BF16: yes; AMX: no; ``engine.bf16_weights``)."""
+    from engine.loading import load_model
+
+    return load_model(str(model_dir)).bf16_weights
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 

@@ -7,7 +7,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.bf16_weights import native_bf16
 from tests.conftest import MODEL_NAME
 
 pytestmark = pytest.mark.slow
@@ -50,8 +49,8 @@ def test_the_context_routes_are_under_v1_too(gateway):
     assert httpx.get(f"{v1}/{created['id']}").status_code == 404
 
 
-def test_health_names_the_device_and_dtype(gateway):
+def test_health_names_the_device_and_dtype(gateway, bf16_invariant):
     health = httpx.get(f"{gateway.url}/health").json()
     assert health["device"] == "cpu" and health["dtype"] == "float32" and health["model"] == MODEL_NAME
-    # CACHEGEN_DTYPE=auto: bf16 weights where the CPU has native bf16
-    assert health["weights_dtype"] == ("bfloat16" if native_bf16() else None)
+    # CACHEGEN_DTYPE=auto: bf16 weights where they are native and batch-invariant
+    assert health["weights_dtype"] == ("bfloat16" if bf16_invariant else None)

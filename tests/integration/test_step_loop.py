@@ -162,11 +162,13 @@ def bf16_runner(model_dir) -> ModelRunner:
     return ModelRunner(load_model(str(model_dir), dtype="bf16-weights"))
 
 
-def test_with_bf16_weights_requests_get_the_same_bits_alone_and_batched(bf16_runner):
+def test_with_bf16_weights_requests_get_the_same_bits_alone_and_batched(bf16_runner, bf16_invariant):
     """Batch invariance (``engine.tiled_attention``): with bf16 weights a near-tie is no excuse.
     Greedy and seeded requests, each alone and then with seven others that are mid-prompt or
     decoding (so its prompt is cut into other chunks too): the same tokens and the same logprobs,
     to the bit."""
+    if not bf16_invariant:
+        pytest.skip("this CPU's bf16 products sum rows by the row count (AMX): auto is float32 here")
     runner = bf16_runner
     long_prompt = chat_ids(runner, " ".join(PROMPTS) * 6)  # several steps' worth of prompt at 64 a step
     prompts = [long_prompt] + [chat_ids(runner, p) for p in PROMPTS[1:]]
