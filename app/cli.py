@@ -60,7 +60,8 @@ SETTINGS_FLAGS = (
     SettingsFlag(
         "--dtype",
         "dtype",
-        "auto (on a CPU bf16-weights where it has native bf16, else float32; the model's own on a GPU), "
+        "auto (on a CPU bf16-weights where its bf16 is native and batch-invariant, else float32; the "
+        "model's own on a GPU), "
         "float32, bfloat16, float16, bf16-weights (float32 with bf16 weights in the linear layers)",
     ),
     SettingsFlag("--api-key", "api_key", "clients must send 'Authorization: Bearer KEY'", metavar="KEY"),

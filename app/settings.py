@@ -70,9 +70,9 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
     dtype: Literal["auto", "float32", "bfloat16", "float16", "bf16-weights"] = Field(
         "auto",
-        description="the model's dtype; 'auto': on a CPU bf16-weights where it has native bf16, else "
-        "float32; the model's own on a GPU. 'bf16-weights': float32 with bf16 weights in the linear "
-        "layers (docs/serving.md)",
+        description="the model's dtype; 'auto': on a CPU bf16-weights where its native bf16 products "
+        "are batch-invariant (a start-up probe: AVX512-BF16 yes, AMX no), else float32; the model's own "
+        "on a GPU. 'bf16-weights': float32 with bf16 weights in the linear layers (docs/serving.md)",
     )
     cache_dir: Path = Field(default_factory=default_cache_dir, description="converted models live here")
     torch_threads: int | None = Field(

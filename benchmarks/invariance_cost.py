@@ -1,4 +1,5 @@
-"""What batch-invariant attention costs: the engine's attention at a baseline commit against this one.
+"""What batch-invariant attention costs: the engine's attention at a baseline commit against this one's,
+untiled (float32 and non-invariant bf16) and tiled (``LoadedModel.batch_invariant``).
 
 Both run in one process on one loaded model, the steps alternating ``--rounds``
 times (medians kept), so a machine whose speed drifts affects them alike. The
@@ -53,8 +54,8 @@ def baseline_module(rev: str):
 class Engine:
     """One side's attention: its module, and how to make its segments."""
 
-    def __init__(self, module, runner, current: bool) -> None:
-        self.module, self.runner, self.current = module, runner, current
+    def __init__(self, module, runner, current: bool, tiled: bool = False) -> None:
+        self.module, self.runner, self.current, self.tiled = module, runner, current, tiled
 
     def segment(self, kv, start, tokens, decode=False, shared=()):
         if self.current:
@@ -70,7 +71,8 @@ class Engine:
             positions.extend(range(segment.start, segment.end))
             keep.append(len(ids) - 1)
         AttentionInterface.register(self.module.ATTENTION_NAME, self.module.ragged_attention)
-        with torch.inference_mode(), self.module.active(segments):
+        routed = self.module.active(segments, tiled=self.tiled) if self.current else self.module.active(segments)
+        with torch.inference_mode(), routed:
             self.runner.model(
                 input_ids=torch.tensor([ids]),
                 position_ids=torch.tensor([positions]),
@@ -115,7 +117,8 @@ def measure(dtype: str, baseline_rev: str, rounds: int) -> dict:
     runner = ModelRunner(load_model(dtype=dtype))
     sides = {
         "baseline": Engine(baseline_module(baseline_rev), runner, current=False),
-        "current": Engine(ragged, runner, current=True),
+        "untiled": Engine(ragged, runner, current=True),
+        "tiled": Engine(ragged, runner, current=True, tiled=True),
     }
     rows = []
     for name, step in cases(runner).items():
@@ -127,9 +130,11 @@ def measure(dtype: str, baseline_rev: str, rounds: int) -> dict:
                 started = time.perf_counter()
                 step(engine)
                 times[side].append(time.perf_counter() - started)
-        base, cur = (statistics.median(times[s]) * 1000 for s in ("baseline", "current"))
-        rows.append({"case": name, "baseline_ms": round(base, 1), "current_ms": round(cur, 1)})
-        print(f"  {runner.loaded.precision} {name}: {base:.1f} -> {cur:.1f} ms ({cur / base:.2f})")
+        base, untiled, tiled = (statistics.median(times[s]) * 1000 for s in sides)
+        rows.append(
+            {"case": name, "baseline_ms": round(base, 1), "untiled_ms": round(untiled, 1), "tiled_ms": round(tiled, 1)}
+        )
+        print(f"  {runner.loaded.precision} {name}: {base:.1f} -> {untiled:.1f} untiled, {tiled:.1f} ms tiled")
     from transformers import AttentionInterface
 
     AttentionInterface.register(ragged.ATTENTION_NAME, ragged.ragged_attention)
@@ -152,12 +157,14 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"baseline": args.baseline, "rounds": args.rounds, "threads": torch.get_num_threads()}
     out.write_text(json.dumps({**report, "results": results}, indent=2))
-    print(f"\n| precision | step | {args.baseline} ms | this ms | this / {args.baseline} |")
-    print("|---|---|---:|---:|---:|")
+    rev = args.baseline
+    print(f"\n| precision | step | {rev} ms | untiled ms | tiled ms | untiled / {rev} | tiled / {rev} |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for result in results:
         for r in result["rows"]:
-            ratio = r["current_ms"] / r["baseline_ms"]
-            cells = [result["precision"], r["case"], r["baseline_ms"], r["current_ms"], f"{ratio:.2f}"]
+            base = r["baseline_ms"]
+            ratios = [f"{r['untiled_ms'] / base:.2f}", f"{r['tiled_ms'] / base:.2f}"]
+            cells = [result["precision"], r["case"], base, r["untiled_ms"], r["tiled_ms"], *ratios]
             print("| " + " | ".join(str(c) for c in cells) + " |")
     print(f"wrote {out}")
 

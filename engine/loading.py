@@ -48,6 +48,9 @@ class LoadedModel:
     dtype: torch.dtype  # of the activations and the KV
     weights_dir: Path | None = None  # the local directory of the weight files, when there is one
     bf16_weights: bool = False  # linear layers hold bf16 weights over ``dtype`` activations
+    # every product gives a row the same bits in any batch (bf16 weights that the probe found
+    # row-invariant on this CPU), so the engine attends prompts in fixed tiles to keep it so
+    batch_invariant: bool = False
 
     @property
     def precision(self) -> str:
@@ -159,6 +162,7 @@ def load_model(
         raise ModelLoadError(f"cannot load model {reference!r}: {exc}") from exc
     model.to(dev).eval()
     dtype_in_use = next(model.parameters()).dtype
+    invariant = False
     if dev.type == "cpu" and (bf16_weights or dtype == "auto"):
         invariant = bf16_weights_invariant(model)
         if dtype == "auto":
@@ -184,6 +188,7 @@ def load_model(
         dtype=dtype_in_use,
         weights_dir=_local_dir(path),
         bf16_weights=bf16_weights,
+        batch_invariant=bf16_weights and invariant,
     )
 
 

@@ -9,20 +9,22 @@ embeddings follow each token's own position.
 Attention reads each sequence's own buffer, one sequence at a time, so that a
 sequence's numbers never depend on what shares its step (batch invariance):
 
-- a prompt's chunk goes, on a CPU, to ``engine.tiled_attention``: keys in
-  fixed 256-token tiles at absolute positions, so a query's output is the
-  same bits however the prompt was cut into chunks (the step loop cuts it by
-  what else runs) and whichever buffers its keys sit in;
+- a prompt's chunk goes, where the model is batch-invariant
+  (``active(..., tiled=True)``: bf16 weights on a CPU whose bf16 products are
+  row-invariant, ``LoadedModel.batch_invariant``), to
+  ``engine.tiled_attention``: keys in fixed 256-token tiles at absolute
+  positions, so a query's output is the same bits however the prompt was cut
+  into chunks (the step loop cuts it by what else runs) and whichever buffers
+  its keys sit in. Elsewhere (float32, whose MKL products are not
+  row-invariant anyway) it goes to SDPA's fused causal kernel (a first chunk)
+  or ``_attend_parts`` (a later one): 13% less time for a 3.6K-token prompt
+  in float32 (``benchmarks/results/invariance_cost_amx.json``);
 - a decode (``Segment.decode``, a sampled token) is two matmuls and a
   softmax over its own keys (``_one_query``), or over its parts
   (``_attend_parts``) when it reads shared KV: the same shapes alone or
-  batched.
-
-With bf16 weights (``engine.bf16_weights``) the rest of the step is
-row-invariant too, so a seeded request gives the same tokens alone or beside
-any others (``docs/serving.md``). Attending the decodes one by one costs
-0-8% of a decode step against the padded batch that used to gather them
-(``benchmarks/results/batch_invariant_attention.json``).
+  batched. Attending the decodes one by one is within the noise (-4% to +1%
+  of a float32 decode step) of the padded batch that used to gather them
+  (the same file).
 
 transformers lets a model name its attention function; the runner registers
 ``ragged_attention`` under ``ATTENTION_NAME`` and switches the model to it.
@@ -37,8 +39,8 @@ those parts (``Segment.offset``), and its tokens attend to the shared parts
 and to its own buffer, merged by their log-sum-exps (``_attend_parts``):
 nothing is copied or concatenated, and the shared tokens are never written.
 
-Off the CPU, a prompt's chunk goes to SDPA's causal kernel (a first chunk) or
-``_attend_parts`` (a chunk after others), which are not chunk-invariant.
+Off the CPU, a prompt's chunk always goes to SDPA's causal kernel or
+``_attend_parts``, which are not chunk-invariant.
 
 The attention function has no mask to follow, so models whose attention is
 more than causal softmax (sliding windows, logit soft-capping) are refused
@@ -96,12 +98,13 @@ _state = threading.local()
 
 
 @contextmanager
-def active(segments: Sequence[Segment]) -> Iterator[None]:
-    """Route this thread's attention calls to ``segments`` for the duration."""
+def active(segments: Sequence[Segment], tiled: bool = False) -> Iterator[None]:
+    """Route this thread's attention calls to ``segments`` for the duration; ``tiled``: prompt
+    chunks on a CPU go to ``engine.tiled_attention`` (the same bits however a prompt is cut)."""
     work, at = [], 0
     for segment in segments:
-        tiled = not segment.decode and segment.kv.device.type == "cpu"
-        work.append((segment, at, TiledPrefill(segment) if tiled else None))
+        tiles = tiled and not segment.decode and segment.kv.device.type == "cpu"
+        work.append((segment, at, TiledPrefill(segment) if tiles else None))
         at += len(segment.token_ids)
     _state.batch = work
     try:
@@ -146,7 +149,7 @@ def ragged_attention(
         elif n == 1:
             own = segment.kv[layer, :, :, : segment.end]
             out[0, :, q0] = _one_query(query[0, :, q0], own[0], own[1], scaling)
-        else:  # a prompt's first chunk off the CPU: SDPA's fused causal path
+        else:  # a prompt's first chunk, untiled: SDPA's fused causal path
             own = segment.kv[layer, :, :, : segment.end]
             out[0, :, q0:q1] = _causal(query[:, :, q0:q1], own[0][None], own[1][None], scaling)[0].transpose(
                 0, 1

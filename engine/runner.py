@@ -171,7 +171,7 @@ class ModelRunner:
                 keep.append(len(ids) - 1)
         if not keep:
             keep.append(len(ids) - 1)  # transformers computes at least one row
-        with active(segments):
+        with active(segments, tiled=self.loaded.batch_invariant):
             out = self.model(
                 input_ids=torch.tensor([ids], device=self.device),
                 position_ids=torch.tensor([positions], device=self.device),

@@ -8,6 +8,8 @@ alone as in any step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from engine.bf16_weights import (
 from engine.identity import parameters_digest
 from engine.packed_linear import PackedLinear
 from engine.ragged import Segment
+from engine.tiled_attention import TiledPrefill
 
 pytestmark = pytest.mark.slow
 
@@ -74,6 +77,25 @@ def test_a_mixed_step_matches_stock_transformers(runner, ids):
         assert got is not None
         assert torch.allclose(got, want, atol=2e-3), f"{len(tokens)} tokens: {(got - want).abs().max()}"
         assert int(got.argmax()) == int(want.argmax())
+
+
+def test_prompts_in_fixed_tiles_match_stock_transformers(runner, ids, monkeypatch):
+    """The batch-invariant path (``LoadedModel.batch_invariant``: prompt chunks in fixed tiles), run
+    here on float32 weights, so that every CPU tests it: a mixed step, and a prompt in two chunks."""
+    tiled = ModelRunner(dataclasses.replace(runner.loaded, batch_invariant=True))
+    calls = []
+    attend = TiledPrefill.attend
+    monkeypatch.setattr(TiledPrefill, "attend", lambda self, *a: calls.append(1) or attend(self, *a))
+    sequences, logits = mixed_step(tiled, ids)
+    kv = tiled.new_kv(301)
+    tiled.forward_ragged([Segment(kv, 0, ids[:77], "none")])
+    sequences.append(ids[:301])
+    logits += tiled.forward_ragged([Segment(kv, 77, ids[77:301])])
+    assert len(calls) == 7 * runner.num_layers  # mixed_step: 3 prompts, then 2 in its step; then 2 chunks
+    for tokens, got in zip(sequences, logits):
+        want = stock_last_logits(runner, tokens)
+        assert got is not None
+        assert torch.allclose(got, want, atol=2e-3), f"{len(tokens)} tokens: {(got - want).abs().max()}"
 
 
 def test_buffers_from_the_kv_pool_serve_the_same_and_fall_back_when_it_is_full(runner, ids):
