@@ -19,12 +19,22 @@ sequence's numbers never depend on what shares its step (batch invariance):
   row-invariant anyway) it goes to SDPA's fused causal kernel (a first chunk)
   or ``_attend_parts`` (a later one): 13% less time for a 3.6K-token prompt
   in float32 (``benchmarks/results/invariance_cost_amx.json``);
-- a decode (``Segment.decode``, a sampled token) is two matmuls and a
-  softmax over its own keys (``_one_query``), or over its parts
-  (``_attend_parts``) when it reads shared KV: the same shapes alone or
-  batched. Attending the decodes one by one is within the noise (-4% to +1%
-  of a float32 decode step) of the padded batch that used to gather them
-  (the same file).
+- the step's decodes (one token each), where the model is not
+  batch-invariant anyway, are attended together in one batched call per
+  layer: their keys and values are gathered into a padded batch
+  (``_DecodeBatch``), which costs a copy of their KV but saves a dozen small
+  tensor operations per sequence and layer. In the gateway that is what 16
+  clients' tokens/s rests on: attended one by one they got 0.68x of it
+  (``python -m benchmarks.setting_ab --baseline 3408c48 --concurrency 16``,
+  the model thread's many small operations contend for the GIL with the
+  event loop's; an in-process step alone showed no difference). A decode
+  whose context is longer than ``BATCH_MAX_KEYS`` is attended alone: for
+  long sequences the gather costs more than the loop it saves;
+- where the model is batch-invariant, and for those long decodes, a decode
+  (``Segment.decode``, a sampled token) is two matmuls and a softmax over its
+  own keys (``_one_query``), or over its parts (``_attend_parts``) when it
+  reads shared KV: the same shapes alone or batched (a padded batch's sums
+  depend on its longest member).
 
 transformers lets a model name its attention function; the runner registers
 ``ragged_attention`` under ``ATTENTION_NAME`` and switches the model to it.
@@ -94,19 +104,68 @@ class Segment:
         return [part[layer] for part in self.shared] + [own]
 
 
+BATCH_MAX_KEYS = 1024  # decodes over longer contexts are attended one by one
+
+
+class _DecodeBatch:
+    """The decodes of one step that are attended together; the same for every layer.
+
+    Their keys and values are gathered per layer into one ``(2, batch, kv_heads,
+    longest, head_dim)`` tensor, zeroed once per step: every layer writes the
+    same positions, so those past a sequence's end stay zero (they are also
+    masked out of the scores).
+    """
+
+    def __init__(self, members: list[tuple[Segment, int]], device: torch.device) -> None:
+        self.segments = [segment for segment, _ in members]
+        self.rows = torch.tensor([row for _, row in members], device=device)
+        ends = torch.tensor([segment.end for segment in self.segments], device=device)
+        self.longest = max(segment.end for segment in self.segments)
+        self.padding = (torch.arange(self.longest, device=device) >= ends[:, None])[:, None, None, :]
+        self._gathered: torch.Tensor | None = None
+
+    def attend(self, layer: int, query: torch.Tensor, scale: float | None, out: torch.Tensor) -> None:
+        """This batch's outputs into ``out``; their new keys and values are in their buffers."""
+        segments, rows = self.segments, self.rows
+        kv_heads, dim = segments[0].kv.shape[2], query.shape[3]
+        batch = len(segments)
+        if self._gathered is None:
+            shape = (2, batch, kv_heads, self.longest, dim)
+            self._gathered = torch.zeros(shape, dtype=query.dtype, device=query.device)
+        gathered = self._gathered
+        into, sources = [], []
+        for b, segment in enumerate(segments):
+            at = 0
+            for part in segment.parts(layer):
+                into.append(gathered[:, b, :, at : at + part.shape[2]])
+                sources.append(part)
+                at += part.shape[2]
+        torch._foreach_copy_(into, sources)
+        grouped = query[0, :, rows].transpose(0, 1).reshape(batch, kv_heads, -1, dim)
+        scores = torch.matmul(grouped, gathered[0].transpose(2, 3))
+        scores.mul_(scale if scale is not None else dim**-0.5).masked_fill_(self.padding, float("-inf"))
+        attended = torch.matmul(torch.softmax(scores, dim=-1), gathered[1])  # (batch, kv_heads, group, dim)
+        out[0, :, rows] = attended.reshape(batch, -1, dim).transpose(0, 1)
+
+
 _state = threading.local()
 
 
 @contextmanager
 def active(segments: Sequence[Segment], tiled: bool = False) -> Iterator[None]:
-    """Route this thread's attention calls to ``segments`` for the duration; ``tiled``: prompt
-    chunks on a CPU go to ``engine.tiled_attention`` (the same bits however a prompt is cut)."""
-    work, at = [], 0
+    """Route this thread's attention calls to ``segments`` for the duration. ``tiled`` (the model
+    is batch-invariant): prompt chunks on a CPU go to ``engine.tiled_attention`` (the same bits
+    however a prompt is cut) and every decode is attended by itself; otherwise the short decodes
+    are attended together (``_DecodeBatch``)."""
+    work, batched, at = [], [], 0
     for segment in segments:
         tiles = tiled and not segment.decode and segment.kv.device.type == "cpu"
         work.append((segment, at, TiledPrefill(segment) if tiles else None))
+        if not tiled and len(segment.token_ids) == 1 and segment.end <= BATCH_MAX_KEYS:
+            batched.append((segment, at))
         at += len(segment.token_ids)
-    _state.batch = work
+    decodes = _DecodeBatch(batched, segments[0].kv.device) if len(batched) > 1 else None
+    _state.batch = (work, decodes)
     try:
         yield
     finally:
@@ -125,9 +184,10 @@ def ragged_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: ``query`` (1, q_heads, tokens, dim), ``key``/``value``
     (1, kv_heads, tokens, dim) after rotary; returns (1, tokens, q_heads, dim)."""
-    work = getattr(_state, "batch", None)
-    if work is None:
+    batch = getattr(_state, "batch", None)
+    if batch is None:
         raise RuntimeError("ragged attention runs only inside engine.ragged.active (ModelRunner.forward_ragged)")
+    work, decodes = batch
     layer = module.layer_idx
     into, new = [], []  # every segment's new keys and values, written in one call
     for segment, q0, _ in work:
@@ -138,7 +198,12 @@ def ragged_attention(
         new += [key[0, :, q0:q1], value[0, :, q0:q1]]
     torch._foreach_copy_(into, new)
     out = torch.empty_like(query)
+    if decodes is not None:
+        decodes.attend(layer, query, scaling, out)
+    together = set() if decodes is None else {id(segment) for segment in decodes.segments}
     for segment, q0, tiled in work:
+        if id(segment) in together:
+            continue
         n = len(segment.token_ids)
         q1 = q0 + n
         if tiled is not None:

@@ -70,8 +70,20 @@ def mixed_step(runner: ModelRunner, ids: list[int]) -> tuple[list[list[int]], li
     return sequences, runner.forward_ragged(segments)
 
 
-def test_a_mixed_step_matches_stock_transformers(runner, ids):
+def count_decode_batches(monkeypatch) -> list[int]:
+    """How many decodes each ``_DecodeBatch.attend`` call attended together."""
+    calls: list[int] = []
+    attend = ragged._DecodeBatch.attend
+    monkeypatch.setattr(
+        ragged._DecodeBatch, "attend", lambda self, *a: calls.append(len(self.segments)) or attend(self, *a)
+    )
+    return calls
+
+
+def test_a_mixed_step_matches_stock_transformers(runner, ids, monkeypatch):
+    together = count_decode_batches(monkeypatch)
     sequences, logits = mixed_step(runner, ids)
+    assert together == [3] * runner.num_layers, "float32: the step's 3 decodes are attended in one call"
     for tokens, got in zip(sequences, logits):
         want = stock_last_logits(runner, tokens)
         assert got is not None
@@ -86,7 +98,9 @@ def test_prompts_in_fixed_tiles_match_stock_transformers(runner, ids, monkeypatc
     calls = []
     attend = TiledPrefill.attend
     monkeypatch.setattr(TiledPrefill, "attend", lambda self, *a: calls.append(1) or attend(self, *a))
+    together = count_decode_batches(monkeypatch)
     sequences, logits = mixed_step(tiled, ids)
+    assert together == [], "batch-invariant: every decode is attended by itself"
     kv = tiled.new_kv(301)
     tiled.forward_ragged([Segment(kv, 0, ids[:77], "none")])
     sequences.append(ids[:301])
