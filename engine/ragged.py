@@ -69,6 +69,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from engine import decode_attention
+from engine.decode_attention import DecodeTable
 from engine.tiled_attention import TiledPrefill
 
 ATTENTION_NAME = "cachegen_ragged"
@@ -102,6 +104,10 @@ class Segment:
         """The layer's KV up to ``end``, in order: each (2, kv_heads, tokens, head_dim)."""
         own = self.kv[layer, :, :, : self.end - self.offset]
         return [part[layer] for part in self.shared] + [own]
+
+    def kv_parts(self) -> list[torch.Tensor]:
+        """Every layer's KV up to ``end``, in order: each (layers, 2, kv_heads, tokens, head_dim)."""
+        return [*self.shared, self.kv[:, :, :, : self.end - self.offset]]
 
 
 BATCH_MAX_KEYS = 1024  # decodes over longer contexts are attended one by one
@@ -155,17 +161,24 @@ _state = threading.local()
 def active(segments: Sequence[Segment], tiled: bool = False) -> Iterator[None]:
     """Route this thread's attention calls to ``segments`` for the duration. ``tiled`` (the model
     is batch-invariant): prompt chunks on a CPU go to ``engine.tiled_attention`` (the same bits
-    however a prompt is cut) and every decode is attended by itself; otherwise the short decodes
-    are attended together (``_DecodeBatch``)."""
-    work, batched, at = [], [], 0
+    however a prompt is cut) and every decode is attended by itself; otherwise the one-token
+    segments are attended together: by ``engine.decode_attention`` (float32 on a CPU, any length)
+    or as a padded batch (``_DecodeBatch``, short ones only)."""
+    work, ones, at = [], [], 0
     for segment in segments:
         tiles = tiled and not segment.decode and segment.kv.device.type == "cpu"
         work.append((segment, at, TiledPrefill(segment) if tiles else None))
-        if not tiled and len(segment.token_ids) == 1 and segment.end <= BATCH_MAX_KEYS:
-            batched.append((segment, at))
+        if not tiled and len(segment.token_ids) == 1:
+            ones.append((segment, at))
         at += len(segment.token_ids)
-    decodes = _DecodeBatch(batched, segments[0].kv.device) if len(batched) > 1 else None
-    _state.batch = (work, decodes)
+    decodes: DecodeTable | _DecodeBatch | None = None
+    if ones and decode_attention.supports(segments[0].kv):
+        decodes = DecodeTable([(row, segment.kv_parts()) for segment, row in ones])
+    else:
+        ones = [(segment, row) for segment, row in ones if segment.end <= BATCH_MAX_KEYS]
+        decodes = _DecodeBatch(ones, segments[0].kv.device) if len(ones) > 1 else None
+    together = {id(segment) for segment, _ in ones} if decodes is not None else set()
+    _state.batch = (work, decodes, together)
     try:
         yield
     finally:
@@ -187,7 +200,7 @@ def ragged_attention(
     batch = getattr(_state, "batch", None)
     if batch is None:
         raise RuntimeError("ragged attention runs only inside engine.ragged.active (ModelRunner.forward_ragged)")
-    work, decodes = batch
+    work, decodes, together = batch
     layer = module.layer_idx
     into, new = [], []  # every segment's new keys and values, written in one call
     for segment, q0, _ in work:
@@ -200,7 +213,6 @@ def ragged_attention(
     out = torch.empty_like(query)
     if decodes is not None:
         decodes.attend(layer, query, scaling, out)
-    together = set() if decodes is None else {id(segment) for segment in decodes.segments}
     for segment, q0, tiled in work:
         if id(segment) in together:
             continue

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine import ModelRunner, load_model, ragged
+from engine import ModelRunner, decode_attention, load_model, ragged
 from engine.bf16_weights import (
     Bf16WeightLinear,
     bf16_rows_invariant,
@@ -71,12 +71,19 @@ def mixed_step(runner: ModelRunner, ids: list[int]) -> tuple[list[list[int]], li
 
 
 def count_decode_batches(monkeypatch) -> list[int]:
-    """How many decodes each ``_DecodeBatch.attend`` call attended together."""
+    """How many decodes each call that attends decodes together (``DecodeTable.attend``, the
+    compiled kernel, or ``_DecodeBatch.attend``, a padded batch) attended."""
     calls: list[int] = []
-    attend = ragged._DecodeBatch.attend
-    monkeypatch.setattr(
-        ragged._DecodeBatch, "attend", lambda self, *a: calls.append(len(self.segments)) or attend(self, *a)
-    )
+    for cls, size in (
+        (decode_attention.DecodeTable, lambda t: len(t.rows)),
+        (ragged._DecodeBatch, lambda b: len(b.segments)),
+    ):
+        attend = cls.attend
+        monkeypatch.setattr(
+            cls,
+            "attend",
+            lambda self, *a, attend=attend, size=size: calls.append(size(self)) or attend(self, *a),
+        )
     return calls
 
 
@@ -223,7 +230,10 @@ def stock_logits_and_greedy(runner: ModelRunner, token_ids: list[int], new_token
         with torch.inference_mode():
             logits = model(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0].float()
             out = model.generate(
-                torch.tensor([token_ids]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens
+                torch.tensor([token_ids]),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                min_new_tokens=new_tokens,
             )
     finally:
         model.set_attn_implementation(ragged.ATTENTION_NAME)
@@ -263,7 +273,9 @@ def test_prefill_and_decode_run_the_serving_path_and_match_stock_transformers(ru
     tokens = [t for t, _ in runner.decode(state, SamplingParams(temperature=0.0, ignore_eos=True), 6)]
     assert tokens == greedy
     assert calls == [128, 128, 44] + [1] * 5 and state.length == 305
-    assert torch.allclose(state.prefix[:, :, :, :300], whole.prefix, atol=1e-4)  # whole.kv was rewritten from 100 on
+    assert torch.allclose(
+        state.prefix[:, :, :, :300], whole.prefix, atol=1e-4
+    )  # whole.kv was rewritten from 100 on
 
 
 def test_bf16_weights_replace_every_linear_and_keep_the_answers(model_dir, runner, ids):

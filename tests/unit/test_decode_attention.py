@@ -1,0 +1,80 @@
+"""The compiled decode kernel against plain torch attention, over own and shared KV parts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.decode_attention import DecodeTable, supports
+
+LAYERS, KV_HEADS, Q_HEADS, DIM = 3, 3, 9, 64
+
+
+def reference(query: torch.Tensor, parts: list[torch.Tensor], layer: int, scale: float) -> torch.Tensor:
+    """One query (q_heads, dim) over the parts' keys laid end to end, by SDPA with GQA."""
+    keys = torch.cat([part[layer, 0] for part in parts], dim=1)[None]
+    values = torch.cat([part[layer, 1] for part in parts], dim=1)[None]
+    out = F.scaled_dot_product_attention(query[None, :, None], keys, values, scale=scale, enable_gqa=True)
+    return out[0, :, 0]
+
+
+def buffer(tokens: int, capacity: int) -> torch.Tensor:
+    """A sequence's own KV up to ``tokens``, a view of a larger buffer as the engine holds it."""
+    return torch.randn(LAYERS, 2, KV_HEADS, capacity, DIM)[:, :, :, :tokens]
+
+
+@pytest.fixture
+def step():
+    torch.manual_seed(0)
+    shared = torch.randn(LAYERS, 2, KV_HEADS, 700, DIM)
+    sequences = [
+        [buffer(1, 16)],  # a first token: one key, its own
+        [buffer(137, 256)],
+        [shared[:, :, :, :512], buffer(40, 64)],  # reads a prefix it does not own, then its own
+        [shared[:, :, :, :256], shared[:, :, :, 256:512], buffer(3, 16)],
+        [buffer(2100, 2200)],  # longer than a padded batch takes
+    ]
+    # the step's queries as the projection lays them: (1, q_heads, tokens, dim), token-major
+    query = torch.randn(1, 7, Q_HEADS, DIM).transpose(1, 2)
+    rows = [0, 2, 3, 5, 6]
+    return query, list(zip(rows, sequences))
+
+
+@pytest.mark.parametrize("layer", [0, LAYERS - 1])
+def test_each_decode_matches_sdpa_over_its_parts(step, layer):
+    query, sequences = step
+    out = torch.full_like(query, float("nan"))
+    DecodeTable(sequences).attend(layer, query, 0.125, out)
+    for row, parts in sequences:
+        want = reference(query[0, :, row], parts, layer, 0.125)
+        torch.testing.assert_close(out[0, :, row], want, atol=1e-5, rtol=1e-4)
+    untouched = [r for r in range(query.shape[2]) if r not in {row for row, _ in sequences}]
+    assert torch.isnan(out[0, :, untouched]).all(), "rows that are not decodes are left alone"
+
+
+def test_the_default_scale_is_one_over_root_head_dim(step):
+    query, sequences = step
+    got, want = torch.empty_like(query), torch.empty_like(query)
+    DecodeTable(sequences).attend(1, query, None, got)
+    DecodeTable(sequences).attend(1, query, DIM**-0.5, want)
+    assert torch.equal(got[0, :, [r for r, _ in sequences]], want[0, :, [r for r, _ in sequences]])
+
+
+def test_a_decode_gets_the_same_bits_whatever_shares_its_call(step):
+    query, sequences = step
+    together = torch.empty_like(query)
+    DecodeTable(sequences).attend(2, query, 0.125, together)
+    for row, parts in sequences:
+        alone = torch.empty_like(query)
+        DecodeTable([(row, parts)]).attend(2, query, 0.125, alone)
+        assert torch.equal(alone[0, :, row], together[0, :, row])
+
+
+def test_only_float32_cpu_kv_with_contiguous_channels_is_taken():
+    kv = torch.zeros(LAYERS, 2, KV_HEADS, 8, DIM)
+    assert supports(kv) and not supports(kv.bfloat16())
+    with pytest.raises(ValueError, match="contiguous head_dim"):
+        DecodeTable([(0, [kv.transpose(3, 4)])])
+    with pytest.raises(ValueError, match="float32"):
+        DecodeTable([(0, [kv.bfloat16()])])
