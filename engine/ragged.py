@@ -110,7 +110,10 @@ class Segment:
         return [*self.shared, self.kv[:, :, :, : self.end - self.offset]]
 
 
-BATCH_MAX_KEYS = 1024  # decodes over longer contexts are attended one by one
+# decodes over longer contexts are attended one by one: there torch's matmuls on all the step's
+# threads beat the one-thread kernel (2 cores, one decode over 2,000 keys: 0.30 against 0.50 ms)
+# and a padded batch's gather costs more than the loop it saves
+BATCH_MAX_KEYS = 1024
 
 
 class _DecodeBatch:
@@ -162,21 +165,20 @@ def active(segments: Sequence[Segment], tiled: bool = False) -> Iterator[None]:
     """Route this thread's attention calls to ``segments`` for the duration. ``tiled`` (the model
     is batch-invariant): prompt chunks on a CPU go to ``engine.tiled_attention`` (the same bits
     however a prompt is cut) and every decode is attended by itself; otherwise the one-token
-    segments are attended together: by ``engine.decode_attention`` (float32 on a CPU, any length)
-    or as a padded batch (``_DecodeBatch``, short ones only)."""
+    segments of at most ``BATCH_MAX_KEYS`` keys are attended together: by
+    ``engine.decode_attention`` (float32 on a CPU) or as a padded batch (``_DecodeBatch``)."""
     work, ones, at = [], [], 0
     for segment in segments:
         tiles = tiled and not segment.decode and segment.kv.device.type == "cpu"
         work.append((segment, at, TiledPrefill(segment) if tiles else None))
-        if not tiled and len(segment.token_ids) == 1:
+        if not tiled and len(segment.token_ids) == 1 and segment.end <= BATCH_MAX_KEYS:
             ones.append((segment, at))
         at += len(segment.token_ids)
     decodes: DecodeTable | _DecodeBatch | None = None
     if ones and decode_attention.supports(segments[0].kv):
         decodes = DecodeTable([(row, segment.kv_parts()) for segment, row in ones])
-    else:
-        ones = [(segment, row) for segment, row in ones if segment.end <= BATCH_MAX_KEYS]
-        decodes = _DecodeBatch(ones, segments[0].kv.device) if len(ones) > 1 else None
+    elif len(ones) > 1:
+        decodes = _DecodeBatch(ones, segments[0].kv.device)
     together = {id(segment) for segment, _ in ones} if decodes is not None else set()
     _state.batch = (work, decodes, together)
     try:
@@ -202,16 +204,22 @@ def ragged_attention(
         raise RuntimeError("ragged attention runs only inside engine.ragged.active (ModelRunner.forward_ragged)")
     work, decodes, together = batch
     layer = module.layer_idx
-    into, new = [], []  # every segment's new keys and values, written in one call
+    writes = isinstance(decodes, DecodeTable)  # the kernel writes its decodes' KV itself
+    into, new = [], []  # the other segments' new keys and values, written in one call
     for segment, q0, _ in work:
+        if writes and id(segment) in together:
+            continue
         buffer = segment.kv[layer]
         first, last = segment.start - segment.offset, segment.end - segment.offset
         into += [buffer[0, :, first:last], buffer[1, :, first:last]]
         q1 = q0 + len(segment.token_ids)
         new += [key[0, :, q0:q1], value[0, :, q0:q1]]
-    torch._foreach_copy_(into, new)
+    if into:
+        torch._foreach_copy_(into, new)
     out = torch.empty_like(query)
-    if decodes is not None:
+    if writes:
+        decodes.attend(layer, query, key, value, scaling, out)
+    elif decodes is not None:
         decodes.attend(layer, query, scaling, out)
     for segment, q0, tiled in work:
         if id(segment) in together:

@@ -37,16 +37,22 @@ def step():
     ]
     # the step's queries as the projection lays them: (1, q_heads, tokens, dim), token-major
     query = torch.randn(1, 7, Q_HEADS, DIM).transpose(1, 2)
+    key, value = torch.randn(2, 1, 7, KV_HEADS, DIM).transpose(2, 3)
     rows = [0, 2, 3, 5, 6]
-    return query, list(zip(rows, sequences))
+    return query, key, value, shared, list(zip(rows, sequences))
 
 
 @pytest.mark.parametrize("layer", [0, LAYERS - 1])
 def test_each_decode_matches_sdpa_over_its_parts(step, layer):
-    query, sequences = step
+    query, key, value, shared, sequences = step
+    before = shared.clone()
     out = torch.full_like(query, float("nan"))
-    DecodeTable(sequences).attend(layer, query, 0.125, out)
+    DecodeTable(sequences).attend(layer, query, key, value, 0.125, out)
+    assert torch.equal(shared, before), "shared parts are only read"
     for row, parts in sequences:
+        own = parts[-1]
+        assert torch.equal(own[layer, 0, :, -1], key[0, :, row]), "the new key is in its buffer"
+        assert torch.equal(own[layer, 1, :, -1], value[0, :, row])
         want = reference(query[0, :, row], parts, layer, 0.125)
         torch.testing.assert_close(out[0, :, row], want, atol=1e-5, rtol=1e-4)
     untouched = [r for r in range(query.shape[2]) if r not in {row for row, _ in sequences}]
@@ -54,20 +60,20 @@ def test_each_decode_matches_sdpa_over_its_parts(step, layer):
 
 
 def test_the_default_scale_is_one_over_root_head_dim(step):
-    query, sequences = step
+    query, key, value, _, sequences = step
     got, want = torch.empty_like(query), torch.empty_like(query)
-    DecodeTable(sequences).attend(1, query, None, got)
-    DecodeTable(sequences).attend(1, query, DIM**-0.5, want)
+    DecodeTable(sequences).attend(1, query, key, value, None, got)
+    DecodeTable(sequences).attend(1, query, key, value, DIM**-0.5, want)
     assert torch.equal(got[0, :, [r for r, _ in sequences]], want[0, :, [r for r, _ in sequences]])
 
 
 def test_a_decode_gets_the_same_bits_whatever_shares_its_call(step):
-    query, sequences = step
+    query, key, value, _, sequences = step
     together = torch.empty_like(query)
-    DecodeTable(sequences).attend(2, query, 0.125, together)
+    DecodeTable(sequences).attend(2, query, key, value, 0.125, together)
     for row, parts in sequences:
         alone = torch.empty_like(query)
-        DecodeTable([(row, parts)]).attend(2, query, 0.125, alone)
+        DecodeTable([(row, parts)]).attend(2, query, key, value, 0.125, alone)
         assert torch.equal(alone[0, :, row], together[0, :, row])
 
 
