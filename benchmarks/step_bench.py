@@ -3,8 +3,12 @@
 For each precision (``--dtypes``: ``float32``, ``bf16-weights``, ``bfloat16``)
 the default model is loaded and, for each batch size, a decode step is timed:
 
-- ``step``: the step loop's path (``engine/ragged.py``), each decode
-  attended by itself (batch-invariant);
+- ``step``: the step loop's path (``engine/ragged.py``): the decodes in one
+  call per layer (the compiled kernel, ``engine/decode_attention.py``, in
+  float32 on a CPU; a padded batch otherwise), or each by itself where the
+  model is batch-invariant;
+- ``padded decodes``: the step loop's path with the decodes gathered into a
+  padded batch (``_DecodeBatch``) instead of the kernel (where it applies);
 - ``plain head``: the step loop's path with the output projection as a plain
   ``nn.Linear`` (MKL), where the runner has packed it for oneDNN
   (``engine/packed_linear.py``: float32 on a CPU);
@@ -101,8 +105,22 @@ def with_plain_head(runner, step):
     return run
 
 
+def without_decode_kernel(step):
+    """``step`` with the decodes attended as a padded batch, not by ``engine.decode_attention``."""
+    from engine import decode_attention
+
+    def run() -> None:
+        taken, decode_attention.supports = decode_attention.supports, lambda kv: False
+        try:
+            step()
+        finally:
+            decode_attention.supports = taken
+
+    return run
+
+
 def measure(runner, ids, batches, args) -> list[dict]:
-    from engine import ragged
+    from engine import decode_attention, ragged
     from engine.ragged import Segment
 
     rng = random.Random(0)
@@ -117,6 +135,8 @@ def measure(runner, ids, batches, args) -> list[dict]:
             runner.forward_ragged([Segment(kv, n, [5], decode=True) for kv, n in zip(buffers, lengths)])
 
         variants = {"step": ragged_step}
+        if decode_attention.supports(buffers[0]) and not runner.loaded.batch_invariant:
+            variants["padded_decodes"] = without_decode_kernel(ragged_step)
         if runner.packed_output:
             variants["plain_head"] = with_plain_head(runner, ragged_step)
         times: dict[str, list[float]] = {name: [] for name in variants}
@@ -255,13 +275,15 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=2))
     padded = " padded ms |" if args.padded else ""
-    head = " plain head ms | plain head / step |"
+    head = " padded decodes ms | padded decodes / step | plain head ms | plain head / step |"
     print(f"\n| precision | batch | step ms | tok/s |{head}{padded}")
-    print("|---|---:|---:|---:|---:|---:|" + ("---:|" if args.padded else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.padded else ""))
     for result in results:
         for r in result["rows"]:
-            plain = r.get("plain_head_ms")
-            extra = f" {plain} | {plain / r['step_ms']:.2f} |" if plain else " - | - |"
+            extra = ""
+            for name in ("padded_decodes_ms", "plain_head_ms"):
+                other = r.get(name)
+                extra += f" {other} | {other / r['step_ms']:.2f} |" if other else " - | - |"
             extra += f" {r['padded_ms']} |" if args.padded else ""
             print(
                 f"| {result['precision']} | {r['batch']} | {r['step_ms']} | "
