@@ -126,8 +126,9 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
     metrics = metrics or Metrics()
     table = load_levels(settings, runner.device.type, geometry)
     levels = table.levels
-    with _stage("compiling the codec (numba's cache makes it quick after the first time)"):
+    with _stage("compiling the codec and the decode kernel (numba's cache makes it quick)"):
         warm_up_codec(levels, geometry, settings.chunk_size)
+        runner.warm_up()
     profile_file = profile_path(
         settings.cache_dir, profile_key(fingerprint.hex, runner, list(levels), settings.chunk_size)
     )

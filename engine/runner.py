@@ -193,6 +193,13 @@ class ModelRunner:
                 results.append(None)
         return results
 
+    def warm_up(self) -> None:
+        """One small step of two one-token sequences, so that the one-time costs of the decode path
+        are paid at start-up rather than by a first request's second token: the decode kernel's
+        numba compile, or its load from numba's cache (0.3 s here)."""
+        kvs = [self.new_kv(2) for _ in range(2)]
+        self.forward_ragged([Segment(kv, 0, [0], logits="none") for kv in kvs])
+
     def compute_kv(self, token_ids: list[int]) -> torch.Tensor:
         """Prefill a whole context from scratch and return its KV."""
         return self.prefill(token_ids).kv

@@ -331,3 +331,11 @@ def test_the_output_projection_is_packed_without_changing_the_weights_or_their_d
         want = plain(input_ids=torch.tensor([ids[:40]]), use_cache=False).logits[0].float()
     got = runner.forward_ragged([Segment(runner.new_kv(40), 0, ids[:40], "all")])[0]
     assert got is not None and torch.allclose(got, want, atol=2e-3)
+
+
+def test_warm_up_compiles_the_decode_kernel_for_the_models_layouts(runner, monkeypatch):
+    together = count_decode_batches(monkeypatch)
+    runner.warm_up()
+    assert together == [2] * runner.num_layers, "the warm-up's two sequences go through the kernel"
+    # the model's query, key and value are strided views: the kernel is compiled for those layouts
+    assert any(signature[0].layout == "A" for signature in decode_attention._attend.signatures)
