@@ -16,9 +16,17 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import types
+
+_IN2 = types.Array(types.float32, 2, "C", readonly=True)
+# one signature, compiled (or loaded from numba's cache) at import: ``out`` converts to it with any
+# strides (a whole chunk's buffer or a slice of a KV buffer), so no request compiles a variant
+# that start-up's warm-up did not (see codec.rans._DECODE_STREAMS)
+_SIGNATURE = (types.Array(types.uint16, 3, "C", readonly=True), _IN2, _IN2, _IN2)
+_SIGNATURE += (types.Array(types.float32, 5, "A"),)
 
 
-@numba.njit(cache=True, parallel=True, nogil=True)
+@numba.njit([_SIGNATURE], cache=True, parallel=True, nogil=True)
 def finish_bf16_inverse(product, mean, cos, sin, out):
     """``out[l, k, h, t, :]`` = the head-``h`` slice of ``mean[g] + product[g, t]`` (g = 2l + k),
     keys (k = 0) turned by RoPE with the per-token ``cos`` and ``sin`` (tokens, head_dim / 2)

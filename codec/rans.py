@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import types as nt
 
 PROB_BITS = 14
 PROB_SCALE = 1 << PROB_BITS
@@ -37,6 +38,23 @@ ERR_LENGTH = 2  # words left over, or a stream too short for its initial state
 ERR_STATE = 3  # final state is not the encoder's initial state
 
 U = np.uint64  # an index the decoder knows is not negative: no wrap-around code (see _decode_four)
+
+
+def _in(dtype, ndim: int = 1) -> nt.Array:
+    """A C-contiguous input array's type; read-only, so that writable arrays convert to it too."""
+    return nt.Array(dtype, ndim, "C", readonly=True)
+
+
+# decode_streams' one signature, compiled (or loaded from numba's cache) at import: any caller's
+# arrays convert to it (words read-only or not, ``out`` with any strides), so no first request
+# compiles a variant that start-up did not. Without it, a fresh gateway's first load (writable
+# bytes, into a slice of a KV buffer) compiled a second variant in the request, 7 s on a cold
+# cache, after start-up had warmed the codec up on a contiguous chunk from read-only bytes.
+_DECODE_STREAMS = (
+    (_in(nt.uint16), _in(nt.int64), _in(nt.int32), _in(nt.int32), _in(nt.float32))
+    + (_in(nt.int32, 2), _in(nt.uint8, 2), nt.int64, nt.int64, nt.int64)
+    + (nt.Array(nt.float32, 3, "A"), nt.Array(nt.int32, 1, "C"))
+)
 
 
 @numba.njit(cache=True, inline="always")
@@ -292,7 +310,7 @@ def _decode_four(
     return (p0, p1, p2, p3) == (e0, e1, e2, e3) and x0 == x1 == x2 == x3 == STATE_LOW
 
 
-@numba.njit(cache=True, parallel=True, nogil=True)
+@numba.njit([_DECODE_STREAMS], cache=True, parallel=True, nogil=True)
 def decode_streams(
     words,
     offsets,

@@ -89,7 +89,16 @@ def _softmax(x, powers):  # pragma: no cover - compiled
         x[j] *= inverse
 
 
-@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+_KV = types.Array(types.float32, 3, "A", readonly=True)  # (heads, tokens, dim), any strides
+_TABLE = types.Array(types.int64, 1, "C", readonly=True)
+# one signature, compiled (or loaded from numba's cache) at import: a step's arrays convert to it
+# whatever their strides (one token's transposed views are contiguous, several tokens' are not),
+# so no step compiles a variant that ``ModelRunner.warm_up`` did not
+_ATTEND = (_KV, _KV, _KV, types.Array(types.float32, 3, "A"), _TABLE)
+_ATTEND += (types.Array(types.int64, 2, "C", readonly=True), _TABLE, types.int64, types.float32)
+
+
+@numba.njit([_ATTEND], cache=True, nogil=True, fastmath=_FAST)
 def _attend(query, key, value, out, rows, parts, first_part, layer, scale):  # pragma: no cover - compiled
     """``out[:, rows[s]]`` = sequence ``s``'s query ``query[:, rows[s]]`` (q_heads, dim) attended
     over the keys and values of its parts ``parts[first_part[s]:first_part[s + 1]]``, after its
