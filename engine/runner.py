@@ -195,8 +195,9 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """One small step of two one-token sequences, so that the one-time costs of the decode path
-        are paid at start-up rather than by a first request's second token: the decode kernel's
-        numba compile, or its load from numba's cache (0.3 s here)."""
+        are paid at start-up rather than by a first request's second token. The decode kernel
+        itself compiles (or loads from numba's cache, 0.3 s here) when its module is imported,
+        with its one pinned signature (``engine.decode_attention._ATTEND``)."""
         kvs = [self.new_kv(2) for _ in range(2)]
         self.forward_ragged([Segment(kv, 0, [0], logits="none") for kv in kvs])
 
