@@ -68,7 +68,8 @@ def attention_signals(runner, ids: list[int], prefix: int) -> dict[str, np.ndarr
         hooks.append(layer.self_attn.q_proj.register_forward_hook(hook(("q", i))))
         hooks.append(layer.self_attn.k_proj.register_forward_hook(hook(("k", i))))
     try:
-        runner.compute_kv(ids)
+        with runner.transformers_forward():  # the hooks are on the model's own modules
+            runner.compute_kv(ids)
     finally:
         for h in hooks:
             h.remove()

@@ -12,6 +12,9 @@ the default model is loaded and, for each batch size, a decode step is timed:
 - ``plain head``: the step loop's path with the output projection as a plain
   ``nn.Linear`` (MKL), where the runner has packed it for oneDNN
   (``engine/packed_linear.py``: float32 on a CPU);
+- ``transformers forward``: the step loop's path through transformers' own
+  model forward (plain ``nn.Linear`` projections), where the runner has the
+  fused forward (``engine/fused_layers.py``: Llama, float32 on a CPU);
 - ``padded``: what transformers offers out of the box, one left-padded batch,
   a ``DynamicCache`` and a 2D mask, SDPA attention (``--padded``; slow to
   set up, so off by default).
@@ -105,6 +108,16 @@ def with_plain_head(runner, step):
     return run
 
 
+def with_transformers_forward(runner, step):
+    """``step`` through transformers' model forward instead of the runner's fused one."""
+
+    def run() -> None:
+        with runner.transformers_forward():
+            step()
+
+    return run
+
+
 def without_decode_kernel(step):
     """``step`` with the decodes attended as a padded batch, not by ``engine.decode_attention``."""
     from engine import decode_attention
@@ -139,6 +152,8 @@ def measure(runner, ids, batches, args) -> list[dict]:
             variants["padded_decodes"] = without_decode_kernel(ragged_step)
         if runner.packed_output:
             variants["plain_head"] = with_plain_head(runner, ragged_step)
+        if runner.fused is not None:
+            variants["transformers_forward"] = with_transformers_forward(runner, ragged_step)
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, fn in variants.items():
@@ -275,13 +290,15 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=2))
     padded = " padded ms |" if args.padded else ""
-    head = " padded decodes ms | padded decodes / step | plain head ms | plain head / step |"
+    others = {"padded_decodes": "padded decodes", "plain_head": "plain head"}
+    others["transformers_forward"] = "transformers forward"
+    head = "".join(f" {label} ms | {label} / step |" for label in others.values())
     print(f"\n| precision | batch | step ms | tok/s |{head}{padded}")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.padded else ""))
+    print("|---|---:|---:|---:|" + "---:|---:|" * len(others) + ("---:|" if args.padded else ""))
     for result in results:
         for r in result["rows"]:
             extra = ""
-            for name in ("padded_decodes_ms", "plain_head_ms"):
+            for name in (f"{key}_ms" for key in others):
                 other = r.get(name)
                 extra += f" {other} | {other / r['step_ms']:.2f} |" if other else " - | - |"
             extra += f" {r['padded_ms']} |" if args.padded else ""

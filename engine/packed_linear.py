@@ -9,12 +9,9 @@ same 4.5 ms at one. A whole decode step of 8 sequences went from 77.5 to
 float32 --prefill 0``, ``plain head`` against ``batched``, one process;
 ``benchmarks/results/step_packed_head_2cpu.json``).
 
-Only the output projection is packed. The decoder's own projections were
-measured too (30 layers' worth, the same machine): packed, the small ones
-(576 x 576, 192 x 576) and the down projection are slower at one or two rows.
-The wide ones (1536 x 576) gain 1.6 ms a step at 8 rows and 20% at 512; they
-would have to be packed in place, without a plain copy, which hides their
-weights from the digest. Not done.
+This module packs the output projection in place, on the model itself. The
+decoder's projections are packed too, fused, by the engine's own forward
+(``engine.fused_layers``), which leaves the model's modules as they are.
 
 The packed copy is extra memory (113 MB on the default model): the weight
 itself stays, because the embedding shares it and the model's weights digest

@@ -146,23 +146,14 @@ def query_channel_rms(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
     sums: list[torch.Tensor | None] = [None] * runner.num_layers
     counts = [0] * runner.num_layers
 
-    def hook(index: int):
-        def record(_module, _inputs, output):
-            q = output[0].float().reshape(-1, heads, dim)
-            total = q.square().sum(0)
-            sums[index] = total if sums[index] is None else sums[index] + total
-            counts[index] += q.shape[0]
+    def record(index: int, queries: torch.Tensor) -> None:
+        q = queries.float().reshape(-1, heads, dim)
+        total = q.square().sum(0)
+        sums[index] = total if sums[index] is None else sums[index] + total
+        counts[index] += q.shape[0]
 
-        return record
-
-    handles = [
-        layer.self_attn.q_proj.register_forward_hook(hook(i)) for i, layer in enumerate(model.model.layers)
-    ]
-    try:
+    with runner.observe_queries(record):
         runner.prefill(token_ids)
-    finally:
-        for h in handles:
-            h.remove()
     energy = []
     half = dim // 2
     for total, count in zip(sums, counts, strict=True):

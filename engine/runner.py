@@ -13,15 +13,17 @@ the quality figures measure is the path that serves.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from engine.fused_layers import fuse_llama
 from engine.kv_pool import BLOCK_TOKENS, KVPool
 from engine.loading import LoadedModel
 from engine.packed_linear import pack_output_projection
-from engine.ragged import ATTENTION_NAME, Segment, active, check_supported
+from engine.ragged import ATTENTION_NAME, Segment, active, check_supported, ragged_attention
 from engine.sampling import SamplingParams, make_generator, sample_next
 
 # The most tokens ``prefill`` puts in one pass: what the step loop prefills at most in a step
@@ -58,6 +60,9 @@ class ModelRunner:
         check_supported(config)
         self.model.set_attn_implementation(ATTENTION_NAME)
         self.packed_output = pack_output_projection(self.model)  # float32 on a CPU: engine.packed_linear
+        # the engine's own forward over fused, packed projections where it applies (Llama, float32
+        # on a CPU: engine.fused_layers); otherwise, and for anyone who calls the model, transformers'
+        self.fused = fuse_llama(self.model)
         self.kv_pool: KVPool | None = None  # where ``new_kv`` takes buffers from (``use_kv_pool``)
 
     @property
@@ -171,14 +176,17 @@ class ModelRunner:
                 keep.append(len(ids) - 1)
         if not keep:
             keep.append(len(ids) - 1)  # transformers computes at least one row
+        input_ids = torch.tensor([ids], device=self.device)
+        position_ids = torch.tensor([positions], device=self.device)
+        rows = torch.tensor(keep, device=self.device)
         with active(segments, tiled=self.loaded.batch_invariant):
-            out = self.model(
-                input_ids=torch.tensor([ids], device=self.device),
-                position_ids=torch.tensor([positions], device=self.device),
-                use_cache=False,
-                logits_to_keep=torch.tensor(keep, device=self.device),
-            )
-        logits = out.logits[0].float()
+            if self.fused is not None:
+                logits = self.fused.logits(input_ids, position_ids, rows, ragged_attention).float()
+            else:
+                out = self.model(
+                    input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=rows
+                )
+                logits = out.logits[0].float()
         results: list[torch.Tensor | None] = []
         row = 0
         for segment in segments:
@@ -192,6 +200,41 @@ class ModelRunner:
             else:
                 results.append(None)
         return results
+
+    @contextmanager
+    def transformers_forward(self) -> Iterator[None]:
+        """Run transformers' own forward (``self.model``'s modules) in the passes meanwhile, not the
+        fused one: for tools that hook or replace the model's modules, and to compare the two."""
+        fused, self.fused = self.fused, None
+        try:
+            yield
+        finally:
+            self.fused = fused
+
+    @contextmanager
+    def observe_queries(self, record: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
+        """Call ``record(layer, queries)`` with each layer's queries before rotary, (tokens,
+        q_heads * head_dim), for every pass run meanwhile: the quality tools' query statistics."""
+        if self.fused is not None:
+            for index, layer in enumerate(self.fused.layers):
+                layer.query_hook = lambda q, index=index: record(index, q)
+            try:
+                yield
+            finally:
+                for layer in self.fused.layers:
+                    layer.query_hook = None
+            return
+
+        def hook(index: int):
+            return lambda _module, _inputs, output: record(index, output[0])
+
+        layers = self.model.model.layers
+        handles = [layer.self_attn.q_proj.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def warm_up(self) -> None:
         """One small step of two one-token sequences, so that the one-time costs of the decode path

@@ -1,0 +1,210 @@
+"""The engine's own forward for Llama-family models: fused projections, packed once for oneDNN.
+
+transformers' ``LlamaForCausalLM`` calls seven linear layers per decoder
+layer, each through MKL (``F.linear``), and a dozen small modules around
+them. For a step of a few rows (the decodes of a step) that costs twice:
+
+- **MKL's few-row products are slow.** On the 2-core Zen 3 development
+  machine, 30 layers' worth of the default model's four fused products take
+  29.9 ms at one row and 58.6 ms at eight through MKL, against 21.4 and
+  27.5 ms through oneDNN on weights reordered once into its blocked layout;
+  the gate and up projections alone 15.8 and 30.9 ms against 9.5 and 12.2.
+  From about 256 rows on the two are even, and at 512 (a prefill pass)
+  oneDNN is 8% slower (``python -m benchmarks.projection_gemm``,
+  ``benchmarks/results/projection_gemm_2cpu.json``).
+- **Module plumbing**: each layer's norms, rotary embedding and projection
+  calls are a few dozen tensor operations and Python calls.
+
+``FusedLlama`` runs the same arithmetic with the query, key and value
+projections fused into one product and the gate and up projections into
+another, every product on an oneDNN-packed weight (``PackedWeight``), the
+norms as ``F.rms_norm`` (bit-identical to transformers' float32 RMSNorm) and
+the rotary embedding applied to queries and keys in one pass. Attention is
+the engine's own (``engine.ragged``). ``ModelRunner.forward_ragged`` runs it
+in place of ``model(...)``; the model itself is left as it was, so
+transformers' own forward (``generate``, SDPA, the tests' stock reference)
+and the weights' digest still see the plain weights.
+
+A decode step on the same machine (``python -m benchmarks.step_bench --batch
+1,8,16 --dtypes float32``, ``transformers forward`` against ``step``;
+``benchmarks/results/step_fused_layers_2cpu.json``): 48.8 -> 37.3 ms for one
+sequence, 94.5 -> 56.2 ms for 8, 110.9 -> 81.6 ms for 16. A 1,024-token
+prefill in 512-token passes: 2.15 s, against 2.09 s for one plain SDPA
+forward of transformers'.
+
+The packed copies are extra memory: the decoder's projections once more
+(425 MB on the default model). They are made only where they pay and are
+tested to be equivalent: float32 on a CPU with oneDNN, for a model whose
+decoder layers are transformers' Llama classes with plain ``nn.Linear``
+projections and SiLU. Anything else (bf16 weights, other architectures,
+a GPU) keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import SiLUActivation
+
+log = logging.getLogger(__name__)
+
+# transformers' ``ACT2FN["silu"]``, and torch's own
+_SILU = (SiLUActivation, nn.SiLU)
+
+# oneDNN picks its blocked layout for this many rows: a decode step's batch (as engine.packed_linear)
+PACK_FOR_ROWS = 8
+
+
+class PackedWeight:
+    """One or more ``nn.Linear`` weights stacked along their outputs and reordered for oneDNN."""
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
+        biases = [linear.bias for linear in linears]
+        if all(bias is None for bias in biases):
+            self.bias = None
+        else:
+            self.bias = torch.cat(
+                [
+                    torch.zeros(linear.out_features) if bias is None else bias.detach()
+                    for linear, bias in zip(linears, biases)
+                ]
+            )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class FusedLayer:
+    """One Llama decoder layer: pre-norm attention and a SiLU-gated MLP, each with its residual."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attention_module = attn  # what the attention function reads: layer_idx, scaling
+        self.head_dim: int = attn.head_dim
+        self.q_width = attn.q_proj.out_features
+        self.qk_width = self.q_width + attn.k_proj.out_features
+        self.intermediate = mlp.gate_proj.out_features
+        self.qkv = PackedWeight(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o = PackedWeight(attn.o_proj)
+        self.gate_up = PackedWeight(mlp.gate_proj, mlp.up_proj)
+        self.down = PackedWeight(mlp.down_proj)
+        self.input_norm = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+        self.post_norm = (
+            layer.post_attention_layernorm.weight,
+            layer.post_attention_layernorm.variance_epsilon,
+        )
+        # called with (tokens, q_heads * head_dim) queries before rotary, where set
+        # (``ModelRunner.observe_queries``: the quality tools' query statistics)
+        self.query_hook: Callable[[torch.Tensor], None] | None = None
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: Callable[..., tuple[torch.Tensor, None]],
+    ) -> torch.Tensor:
+        """``hidden`` (1, tokens, hidden); ``cos``/``sin`` (1, tokens, head_dim, broadcast over heads)."""
+        tokens, dim = hidden.shape[1], self.head_dim
+        weight, eps = self.input_norm
+        x = self.qkv(F.rms_norm(hidden, weight.shape, weight, eps))
+        if self.query_hook is not None:
+            self.query_hook(x[0, :, : self.q_width])
+        qk = x[..., : self.qk_width].view(1, tokens, -1, dim)
+        half = dim // 2
+        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        q_heads = self.q_width // dim
+        query = qk[:, :, :q_heads].transpose(1, 2)
+        key = qk[:, :, q_heads:].transpose(1, 2)
+        value = x[..., self.qk_width :].view(1, tokens, -1, dim).transpose(1, 2)
+        module = self.attention_module
+        attended, _ = attention(module, query, key, value, None, scaling=module.scaling)
+        hidden = hidden + self.o(attended.reshape(1, tokens, -1))
+        weight, eps = self.post_norm
+        gate_up = self.gate_up(F.rms_norm(hidden, weight.shape, weight, eps))
+        mixed = F.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :]
+        return hidden + self.down(mixed)
+
+
+class FusedLlama:
+    """A ``LlamaForCausalLM``'s forward over packed copies of its decoder's weights (see the module)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        base = model.model
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.norm = base.norm
+        self.head = model.get_output_embeddings()
+        self.layers = [FusedLayer(layer) for layer in base.layers[: model.config.num_hidden_layers]]
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: torch.Tensor,
+        attention: Callable[..., tuple[torch.Tensor, None]],
+    ) -> torch.Tensor:
+        """The logits of the rows ``keep`` of one ragged row of tokens: (len(keep), vocab)."""
+        hidden = self.embed(input_ids)
+        cos, sin = self.rotary(hidden, position_ids)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over the heads of (1, tokens, heads, dim)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attention)
+        hidden = self.norm(hidden[0, keep])
+        return self.head(hidden)
+
+
+def fuse_llama(model: nn.Module) -> FusedLlama | None:
+    """The fused forward for ``model`` where it applies (see the module), else None."""
+    reason = _unsupported(model)
+    if reason is not None:
+        log.info("transformers' forward kept: %s", reason)
+        return None
+    try:
+        return FusedLlama(model)
+    except (RuntimeError, AttributeError) as exc:  # a torch built without these oneDNN ops
+        log.warning("transformers' forward kept: %s", exc)
+        return None
+
+
+def _unsupported(model: nn.Module) -> str | None:
+    from transformers.models.llama import modeling_llama as llama
+
+    if type(model) is not llama.LlamaForCausalLM:
+        return f"{type(model).__name__} is not LlamaForCausalLM"
+    if not torch.backends.mkldnn.is_available():
+        return "torch has no oneDNN"
+    expected = {
+        "self_attn": llama.LlamaAttention,
+        "mlp": llama.LlamaMLP,
+        "input_layernorm": llama.LlamaRMSNorm,
+        "post_attention_layernorm": llama.LlamaRMSNorm,
+    }
+    for layer in model.model.layers:
+        if type(layer) is not llama.LlamaDecoderLayer:
+            return f"a decoder layer is {type(layer).__name__}"
+        for name, cls in expected.items():
+            if type(getattr(layer, name)) is not cls:
+                return f"{name} is {type(getattr(layer, name)).__name__}"
+        if not isinstance(layer.mlp.act_fn, _SILU):
+            return f"the MLP's activation is {type(layer.mlp.act_fn).__name__}"
+        for linear in (
+            *_projections(layer.self_attn, "qkvo"),
+            *_projections(layer.mlp, ("gate", "up", "down")),
+        ):
+            if type(linear) is not nn.Linear:
+                return f"a projection is {type(linear).__name__}"
+            if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
+                return f"weights are {linear.weight.dtype} on {linear.weight.device}"
+    return None
+
+
+def _projections(module: nn.Module, names) -> list[nn.Module]:
+    return [getattr(module, f"{name}_proj") for name in names]

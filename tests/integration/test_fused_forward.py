@@ -1,0 +1,151 @@
+"""The engine's fused Llama forward (``engine.fused_layers``) against transformers' own.
+
+The fused forward must compute what transformers' forward computes through
+the same attention, leave the model and its weights' digest as they were,
+apply only where it is built for, and keep the quality tools' query
+statistics the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from engine import ModelRunner, load_model
+from engine.fused_layers import FusedLlama, PackedWeight, fuse_llama
+from engine.identity import parameters_digest
+from engine.ragged import Segment
+
+pytestmark = pytest.mark.slow
+
+TEXT = "Paged memory, prefix caches and batched attention are what a serving engine is built on. " * 12
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir) -> ModelRunner:
+    return ModelRunner(load_model(str(model_dir), dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def ids(runner) -> list[int]:
+    return list(runner.tokenizer(TEXT)["input_ids"])
+
+
+def mixed_step(runner: ModelRunner, ids: list[int]):
+    """A step of a 97-token prefill after 40 cached tokens, a 5-token first chunk and three decodes;
+    returns every segment's logits. Run twice, the second time from the same buffers' state."""
+    lengths = [21, 64, 130]
+    decodes = [runner.new_kv(n + 1) for n in lengths]
+    for kv, n in zip(decodes, lengths):
+        runner.forward_ragged([Segment(kv, 0, ids[:n], "none")])
+    later = runner.new_kv(137)
+    runner.forward_ragged([Segment(later, 0, ids[:40], "none")])
+    first = runner.new_kv(5)
+
+    def step():
+        segments = [Segment(later, 40, ids[40:137], "all"), Segment(first, 0, ids[:5], "all")]
+        segments += [Segment(kv, n, [ids[n]], decode=True) for kv, n in zip(decodes, lengths)]
+        return runner.forward_ragged(segments)
+
+    return step
+
+
+def test_the_default_model_runs_the_fused_forward_and_keeps_its_weights(model_dir, runner):
+    assert runner.fused is not None and len(runner.fused.layers) == runner.num_layers
+    model = runner.model
+    attention = model.model.layers[0].self_attn
+    assert type(attention.q_proj) is torch.nn.Linear  # the model's own modules are left alone
+    plain = load_model(str(model_dir), dtype="float32").model  # never fused
+    assert parameters_digest(model.named_parameters()) == parameters_digest(plain.named_parameters())
+    layer = runner.fused.layers[0]
+    assert layer.qkv.out_features == sum(getattr(attention, f"{n}_proj").out_features for n in "qkv")
+
+
+def test_fused_logits_match_transformers_forward_in_a_mixed_step(runner, ids):
+    step = mixed_step(runner, ids)
+    with runner.transformers_forward():
+        assert runner.fused is None
+        want = step()
+    got = step()  # the same positions again: every buffer's new KV is overwritten alike
+    assert len(got) == len(want) == 5
+    for g, w in zip(got, want):
+        assert g is not None and w is not None and g.shape == w.shape
+        assert torch.allclose(g, w, atol=1e-3), (g - w).abs().max()
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+def test_greedy_decoding_is_the_same_on_both_forwards(runner, ids):
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0)
+
+    def greedy() -> list[int]:
+        state = runner.prefill(ids[:150], room=24)
+        return [token for token, _ in runner.decode(state, params, 24)]
+
+    with runner.transformers_forward():
+        want = greedy()
+    assert greedy() == want
+
+
+def test_the_query_statistics_are_the_same_on_both_forwards(runner, ids):
+    from engine.quality import query_channel_rms
+
+    got = query_channel_rms(runner, ids[:120])
+    with runner.transformers_forward():
+        want = query_channel_rms(runner, ids[:120])
+    assert got.shape == (runner.num_layers, runner.num_kv_heads, runner.head_dim)
+    assert abs(got - want).max() <= 1e-4 * abs(want).max()
+
+
+def test_the_fused_forward_is_left_out_where_it_does_not_apply(model_dir):
+    bf16 = load_model(str(model_dir), dtype="bf16-weights")
+    assert fuse_llama(bf16.model) is None  # its projections are bf16 modules
+    gelu = LlamaForCausalLM(_tiny_config(hidden_act="gelu"))
+    assert fuse_llama(gelu) is None
+    assert fuse_llama(LlamaForCausalLM(_tiny_config())) is not None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_tiny_llama_with_and_without_biases_matches_transformers(bias):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_tiny_config(attention_bias=bias, mlp_bias=bias)).eval()
+    if bias:  # random biases, so that a bias left out would show
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.data.normal_()
+    model.set_attn_implementation("sdpa")
+    fused = FusedLlama(model)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 23))
+    positions = torch.arange(23)[None]
+    with torch.inference_mode():
+        want = model(input_ids=tokens, use_cache=False).logits[0]
+        got = fused.logits(tokens, positions, torch.arange(23), sdpa_attention_forward)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_a_packed_weight_multiplies_as_its_linears_side_by_side():
+    torch.manual_seed(1)
+    a, b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 24, bias=False)
+    packed = PackedWeight(a, b)
+    assert (packed.out_features, packed.in_features) == (32, 16)
+    for rows in (1, 3, 8, 40):
+        x = torch.randn(rows, 16)
+        with torch.inference_mode():
+            want = torch.cat([a(x), b(x)], dim=-1)
+            assert torch.allclose(packed(x), want, atol=1e-5)
+
+
+def _tiny_config(**overrides) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **overrides,
+    )
