@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from app.admission import Admission
 from app.gateway import Gateway, load_levels, pick_levels
+from app.malloc_trim import trim_now
 from app.metrics import Metrics
 from app.settings import Settings
 from app.threads import codec_threads, configure_threads, thread_budget, worker_initializer
@@ -89,6 +90,15 @@ def build_gateway(settings: Settings, metrics: Metrics | None = None) -> Gateway
             loaded.weights_dir,
             settings.cache_dir,
             precision=loaded.precision,
+        )
+    # the gateway only runs the engine's fused forward where there is one: the model's own copies
+    # of those weights go (after the digest, which reads them)
+    released = runner.release_transformers_weights()
+    if released:
+        log.info(
+            "start-up: gave back %d MiB of plain projection weights (engine.fused_layers); RSS -%d MiB",
+            released >> 20,
+            trim_now() >> 20,  # what the copies out of the weight file's mapping left in the arenas
         )
     fingerprint = make_fingerprint(
         weights=identity.weights,

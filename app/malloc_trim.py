@@ -60,6 +60,17 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def trim_now() -> int:
+    """One ``malloc_trim(0)`` now, whatever the high mark: after a known large free (start-up's
+    release of the plain projection weights). The bytes the RSS fell by; 0 without glibc."""
+    libc = glibc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return 0
+    rss = _rss_bytes()
+    libc.malloc_trim(ctypes.c_size_t(0))
+    return max(0, rss - _rss_bytes())
+
+
 class Trimmer:
     """Each call gives the arenas' free pages back to the OS (``malloc_trim(0)``) when the RSS
     passes its high mark by more than ``growth_bytes`` and the arenas hold more than that free.

@@ -32,9 +32,13 @@ sequence, 94.5 -> 56.2 ms for 8, 110.9 -> 81.6 ms for 16. A 1,024-token
 prefill in 512-token passes: 2.15 s, against 2.09 s for one plain SDPA
 forward of transformers'.
 
-The packed copies are extra memory: the decoder's projections once more
-(425 MB on the default model). They are made only where they pay and are
-tested to be equivalent: float32 on a CPU with oneDNN, for a model whose
+The packed copies would be the decoder's projections once more (425 MB on the
+default model). The gateway, which never runs transformers' forward, gives
+the plain ones back once the weights' digest is taken
+(``FusedLlama.release_plain_weights``: they become meta tensors, so a
+forward or a digest that would still read them fails instead of computing
+on nothing); tools and tests keep both. The fused forward is made only
+where it pays and is tested to be equivalent: float32 on a CPU with oneDNN, for a model whose
 decoder layers are transformers' Llama classes with plain ``nn.Linear``
 projections and SiLU. Anything else (bf16 weights, other architectures,
 a GPU) keeps transformers' forward.
@@ -144,6 +148,30 @@ class FusedLlama:
         self.head = model.get_output_embeddings()
         self.layers = [FusedLayer(layer) for layer in base.layers[: model.config.num_hidden_layers]]
 
+    def release_plain_weights(self, model: nn.Module) -> int:
+        """Free ``model``'s own decoder projection weights, which this forward does not read: each
+        becomes a meta tensor of its shape. Returns the bytes given back. transformers' forward
+        over ``model`` fails from then on, as does a digest of its parameters.
+
+        transformers maps a safetensors file into memory and its parameters are views of that
+        mapping, so a freed weight's pages would stay resident while any other parameter keeps
+        the mapping open. The parameters left (the embedding, the norms) are therefore copied
+        out of it, the mapping closes, and its pages leave the RSS (on the default model 1,666
+        -> 1,231 MiB)."""
+        freed = 0
+        for layer in model.model.layers[: len(self.layers)]:
+            for linear in (*_projections(layer.self_attn, "qkvo"), *_projections(layer.mlp, _MLP)):
+                weight = linear.weight
+                if weight.device.type == "meta":
+                    continue
+                freed += weight.numel() * weight.element_size()
+                linear.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+        if freed:
+            for param in model.parameters():  # tied ones once, and the same objects keep the ties
+                if param.device.type != "meta":
+                    param.data = param.data.clone()
+        return freed
+
     def logits(
         self,
         input_ids: torch.Tensor,
@@ -197,13 +225,16 @@ def _unsupported(model: nn.Module) -> str | None:
             return f"the MLP's activation is {type(layer.mlp.act_fn).__name__}"
         for linear in (
             *_projections(layer.self_attn, "qkvo"),
-            *_projections(layer.mlp, ("gate", "up", "down")),
+            *_projections(layer.mlp, _MLP),
         ):
             if type(linear) is not nn.Linear:
                 return f"a projection is {type(linear).__name__}"
             if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
                 return f"weights are {linear.weight.dtype} on {linear.weight.device}"
     return None
+
+
+_MLP = ("gate", "up", "down")
 
 
 def _projections(module: nn.Module, names) -> list[nn.Module]:

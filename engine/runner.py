@@ -63,6 +63,7 @@ class ModelRunner:
         # the engine's own forward over fused, packed projections where it applies (Llama, float32
         # on a CPU: engine.fused_layers); otherwise, and for anyone who calls the model, transformers'
         self.fused = fuse_llama(self.model)
+        self.transformers_released = False  # release_transformers_weights
         self.kv_pool: KVPool | None = None  # where ``new_kv`` takes buffers from (``use_kv_pool``)
 
     @property
@@ -201,10 +202,24 @@ class ModelRunner:
                 results.append(None)
         return results
 
+    def release_transformers_weights(self) -> int:
+        """Give back the model's own decoder projection weights where the fused forward has packed
+        copies of them (``engine.fused_layers``); returns the bytes freed. For a process that only
+        serves: transformers' forward and a digest of the parameters fail from then on, so take
+        the weights' digest first."""
+        if self.fused is None:
+            return 0
+        self.transformers_released = True
+        return self.fused.release_plain_weights(self.model)
+
     @contextmanager
     def transformers_forward(self) -> Iterator[None]:
         """Run transformers' own forward (``self.model``'s modules) in the passes meanwhile, not the
         fused one: for tools that hook or replace the model's modules, and to compare the two."""
+        if self.transformers_released:
+            raise RuntimeError(
+                "the model's own projection weights were released: only the fused forward runs"
+            )
         fused, self.fused = self.fused, None
         try:
             yield

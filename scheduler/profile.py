@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 # 8: a short tail chunk's decode counts for its share of a chunk, and a slow decode moves the
 #    estimate by at most a twentieth (``observe_decode``): profiles of 7 could make a level look
 #    several times dearer than it is
-PROFILE_VERSION = 8
+# 9: the engine's fused forward (engine/fused_layers.py): prefill passes of few rows are faster
+#    than what profiles of 8 timed
+PROFILE_VERSION = 9
 _EWMA = 0.2  # weight of the newest measurement
 # A decode slower than this many times the estimate is learned as this many times: a fresh
 # process's first chunk took 30-141 ms where the rest took 21-23 (a one-time cost not yet found).

@@ -100,6 +100,25 @@ def test_the_query_statistics_are_the_same_on_both_forwards(runner, ids):
     assert abs(got - want).max() <= 1e-4 * abs(want).max()
 
 
+def test_a_serving_runner_gives_the_plain_weights_back_and_still_answers_the_same(model_dir, ids):
+    serving = ModelRunner(load_model(str(model_dir), dtype="float32"))
+    model = serving.model
+    projections = [m for layer in model.model.layers for m in layer.modules() if type(m) is torch.nn.Linear]
+    assert len(projections) == 7 * serving.num_layers
+    expected = sum(m.weight.numel() * 4 for m in projections)
+    want = serving.forward_ragged([Segment(serving.new_kv(40), 0, ids[:40], "all")])[0]
+
+    assert serving.release_transformers_weights() == expected
+    assert all(m.weight.device.type == "meta" for m in projections)
+    got = serving.forward_ragged([Segment(serving.new_kv(40), 0, ids[:40], "all")])[0]
+    assert got is not None and torch.equal(got, want)  # the fused forward never read them
+    with pytest.raises(RuntimeError, match="released"), serving.transformers_forward():
+        pass
+    with pytest.raises(NotImplementedError):  # no digest of weights that are not there
+        parameters_digest(model.named_parameters())
+    assert serving.release_transformers_weights() == 0  # and nothing twice
+
+
 def test_the_fused_forward_is_left_out_where_it_does_not_apply(model_dir):
     bf16 = load_model(str(model_dir), dtype="bf16-weights")
     assert fuse_llama(bf16.model) is None  # its projections are bf16 modules
