@@ -73,11 +73,18 @@ def medians(sides: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float
     return {side: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for side, rows in sides.items()}
 
 
-def report(out: Path, revision: str, sides: dict[str, list[dict[str, Any]]], summary: dict[str, dict[str, float]]) -> None:
+def report(
+    out: Path,
+    revision: str,
+    sides: dict[str, list[dict[str, Any]]],
+    summary: dict[str, dict[str, float]],
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Write the rounds and the summaries of both sides (``baseline``, ``this``) with their ratios
-    to ``out`` as JSON, and print them as a table."""
+    to ``out`` as JSON (with ``extra``'s keys added), and print them as a table."""
     ratios = {key: round(summary["this"][key] / summary["baseline"][key], 2) for key in summary["this"]}
     result = {"baseline": revision, "rounds": sides, "medians": summary, "ratio_this_over_baseline": ratios}
+    result.update(extra or {})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{'measure':<30}{'baseline':>10}{'this':>10}{'ratio':>8}")

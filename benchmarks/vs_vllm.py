@@ -128,10 +128,16 @@ def peak_rss_gb(pid: int) -> float:
 
 
 async def _stream(
-    client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int, **extra
+    client: httpx.AsyncClient,
+    url: str,
+    messages: list[dict],
+    max_tokens: int,
+    kv_info: dict | None = None,
+    **extra,
 ) -> tuple[float, list[float], int]:
     """One streamed chat completion: (start time, arrival time of each content chunk, completion
-    tokens), times from ``time.perf_counter``."""
+    tokens), times from ``time.perf_counter``. ``kv_info``, where given, is updated with the
+    gateway's ``kv_cache_info`` (vLLM sends none)."""
     body = {
         "model": DEFAULT_MODEL_NAME,
         "messages": messages,
@@ -150,6 +156,8 @@ async def _stream(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
+            if kv_info is not None and "kv_cache_info" in event and not kv_info:
+                kv_info.update(event["kv_cache_info"])
             if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
                 arrivals.append(time.perf_counter())
             if event.get("usage"):
