@@ -15,7 +15,8 @@ warm-up rounds):
 
 The contexts are pre-encoded once, by this checkout, into one store that both sides read (the
 chunk keys and format must therefore be the same on both). TTFT is measured at the client
-(streamed, greedy, 8 tokens). Prints the medians of both sides and their ratio, and writes
+(streamed, greedy, 8 tokens); beside it, the gateway's own account of the fresh question and
+of the worst of the 8 (``kv_cache_info``: ``prompt_ms``, ``load_ms``, ``prefill_ms``). Prints the medians of both sides and their ratio, and writes
 ``benchmarks/results/stored_load.json``.
 """
 
