@@ -21,18 +21,21 @@ from app.startup import ModelLoading
 PACKAGE = "cachegen-gateway"
 
 
-def _gateway(request: Request) -> Gateway:
+# The dependencies are ``async``: FastAPI runs a plain ``def`` dependency on its thread pool, a
+# thread hop per dependency per request for an attribute read (and the pool's start-up cost in
+# a fresh process's first request).
+async def _gateway(request: Request) -> Gateway:
     gateway = request.app.state.gateway
     if gateway is None:  # still starting (app/startup.py)
         raise ModelLoading()
     return gateway
 
 
-def _readiness(request: Request) -> Readiness | None:
+async def _readiness(request: Request) -> Readiness | None:
     return request.app.state.readiness
 
 
-def _tenant(request: Request) -> Tenant:
+async def _tenant(request: Request) -> Tenant:
     """Set by ``ApiKeyAuth``; anonymous without API keys."""
     return getattr(request.state, "tenant", ANONYMOUS)
 

@@ -227,12 +227,18 @@ def question_steps(runner, ids, count: int, prefix: int, tokens: int, rounds: in
 
     from transformers import AttentionInterface
 
+    from engine import runner as runner_module
+
+    # the fused forward (engine/fused_layers.py) is handed the runner's own reference to the
+    # function; transformers' forward finds it by name: both are timed
     AttentionInterface.register(ragged.ATTENTION_NAME, timed)
+    runner_module.ragged_attention = timed
     try:
         runner.model.set_attn_implementation(ragged.ATTENTION_NAME)
         step_s = seconds(lambda: step(count), 1)
         attention_s = attention[0] / 2  # ``seconds`` ran the step twice
     finally:
+        runner_module.ragged_attention = plain
         AttentionInterface.register(ragged.ATTENTION_NAME, plain)
         runner.model.set_attn_implementation(ragged.ATTENTION_NAME)
     return {
