@@ -53,21 +53,22 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", type=Path, default=RESULTS / "first_request.json")
     args = p.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="first_request-"))
-    env = gateway_env(convert_default_model(default_cache_dir()), "float32", root / "store")
-    with ExitStack() as stack:
+    model = convert_default_model(default_cache_dir())
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        root = Path(tmp)
         repos = side_repos(args, root, stack)
-        settings = {
-            "baseline": (repos["baseline"], {**env, **parse_env(args.baseline_env or [])}),
-            "this": (repos["this"], {**env, **parse_env(args.env)}),
-        }
+        env = gateway_env(model, "float32", root / "store")
 
-        def run(name: str, setting: Any, r: int) -> dict[str, Any]:
-            repo, side_env = setting
-            with GatewayProcess(side_env, root / f"{name}-{r}.log", repo=repo) as g:
+        def run(name: str, settings: dict[str, str], r: int) -> dict[str, Any]:
+            with GatewayProcess({**env, **settings}, root / f"{name}-{r}.log", repo=repos[name]) as g:
                 return asyncio.run(first_chat(g.url))
 
-        sides = alternate(settings, args.rounds, run)
+        # as in benchmarks.setting_ab: with --baseline, both sides run with --env's settings
+        sides = alternate(
+            {"baseline": parse_env(args.baseline_env or args.env), "this": parse_env(args.env)},
+            args.rounds,
+            run,
+        )
     report(args.out, args.baseline or " ".join(args.baseline_env), sides, medians(sides))
 
 
