@@ -14,7 +14,7 @@ the default model is loaded and, for each batch size, a decode step is timed:
   (``engine/packed_linear.py``: float32 on a CPU);
 - ``transformers forward``: the step loop's path through transformers' own
   model forward (plain ``nn.Linear`` projections), where the runner has the
-  fused forward (``engine/fused_layers.py``: Llama, float32 on a CPU);
+  fused forward (``engine/fused_layers.py``: Llama on a CPU, float32 or bf16 weights);
 - ``padded``: what transformers offers out of the box, one left-padded batch,
   a ``DynamicCache`` and a 2D mask, SDPA attention (``--padded``; slow to
   set up, so off by default).

@@ -37,11 +37,27 @@ default model). The gateway, which never runs transformers' forward, gives
 the plain ones back once the weights' digest is taken
 (``FusedLlama.release_plain_weights``: they become meta tensors, so a
 forward or a digest that would still read them fails instead of computing
-on nothing); tools and tests keep both. The fused forward is made only
-where it pays and is tested to be equivalent: float32 on a CPU with oneDNN, for a model whose
-decoder layers are transformers' Llama classes with plain ``nn.Linear``
-projections and SiLU. Anything else (bf16 weights, other architectures,
-a GPU) keeps transformers' forward.
+on nothing); tools and tests keep both.
+
+bf16 weights (``engine.bf16_weights``) are packed the same way, in bf16, on a
+CPU with native bf16: the products round their float32 input to bf16 and
+return float32, as ``Bf16WeightLinear`` does. Where the model is
+batch-invariant (``LoadedModel.batch_invariant``: AVX512-BF16 kernels), the
+packed products are probed for it too (``FusedLlama.sums_rows_alike``)
+before they are used; with oneDNN held to those kernels on the AMX machine
+they gave the same logits as transformers' forward, bit for bit. A decode
+step of 1 / 8 / 16 sequences there took 30.1 / 53.8 / 74.9 ms against 43.0
+/ 66.7 / 89.4 through transformers' forward, and with AMX's own kernels
+25.5 / 34.3 / 42.5 against 39.4 / 47.2 / 56.0 (``python -m
+benchmarks.step_bench --batch 1,8,16 --dtypes bf16-weights``,
+``step_fused_bf16_isa_avx512bf16.json``, ``step_fused_bf16_amx.json``).
+
+The fused forward is made only where it pays and is tested to be
+equivalent: a CPU with oneDNN, float32 or (with native bf16) bf16 weights,
+for a model whose decoder layers are transformers' Llama classes with plain
+``nn.Linear`` (or ``Bf16WeightLinear``) projections and SiLU. Anything else
+(other architectures, a GPU, bf16 weights without native bf16) keeps
+transformers' forward.
 """
 
 from __future__ import annotations
@@ -54,6 +70,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
+from engine.bf16_weights import Bf16WeightLinear, native_bf16, sums_rows_alike
+
 log = logging.getLogger(__name__)
 
 # transformers' ``ACT2FN["silu"]``, and torch's own
@@ -64,11 +82,20 @@ PACK_FOR_ROWS = 8
 
 
 class PackedWeight:
-    """One or more ``nn.Linear`` weights stacked along their outputs and reordered for oneDNN."""
+    """One or more linear layers' weights stacked along their outputs and reordered for oneDNN.
 
-    def __init__(self, *linears: nn.Linear) -> None:
+    The layers are float32 ``nn.Linear`` or, on a CPU with native bf16,
+    ``Bf16WeightLinear`` (``engine.bf16_weights``): bf16 weights over float32
+    activations, the input rounded to bf16 and the output returned in float32
+    as that layer does, its one-row input doubled as that layer's is (oneDNN
+    sums a one-row product in another order), so a row gets the same bits at
+    every row count where the CPU's kernels give them (``FusedLlama.sums_rows_alike``).
+    """
+
+    def __init__(self, *linears: nn.Module) -> None:
         weight = torch.cat([linear.weight.detach() for linear in linears])
         self.out_features, self.in_features = weight.shape
+        self.bf16 = weight.dtype == torch.bfloat16
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
         biases = [linear.bias for linear in linears]
         if all(bias is None for bias in biases):
@@ -76,13 +103,20 @@ class PackedWeight:
         else:
             self.bias = torch.cat(
                 [
-                    torch.zeros(linear.out_features) if bias is None else bias.detach()
+                    torch.zeros(linear.out_features, dtype=weight.dtype) if bias is None else bias.detach()
                     for linear, bias in zip(linears, biases)
                 ]
             )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if not self.bf16:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        one = rows.shape[0] == 1
+        if one:
+            rows = rows.expand(2, -1).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return (out[:1] if one else out).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 class FusedLayer:
@@ -148,6 +182,16 @@ class FusedLlama:
         self.head = model.get_output_embeddings()
         self.layers = [FusedLayer(layer) for layer in base.layers[: model.config.num_hidden_layers]]
 
+    def sums_rows_alike(self) -> bool:
+        """True if each of this forward's products gives a row the same bits at every row count
+        (``engine.bf16_weights.sums_rows_alike``, on each distinct shape's first product)."""
+        products: dict[tuple[int, int], PackedWeight] = {}
+        for layer in self.layers:
+            for product in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                products.setdefault((product.out_features, product.in_features), product)
+        with torch.inference_mode():
+            return all(sums_rows_alike(p, p.in_features) for p in products.values())
+
     def release_plain_weights(self, model: nn.Module) -> int:
         """Free ``model``'s own decoder projection weights, which this forward does not read: each
         becomes a meta tensor of its shape. Returns the bytes given back. transformers' forward
@@ -189,17 +233,25 @@ class FusedLlama:
         return self.head(hidden)
 
 
-def fuse_llama(model: nn.Module) -> FusedLlama | None:
-    """The fused forward for ``model`` where it applies (see the module), else None."""
+def fuse_llama(model: nn.Module, batch_invariant: bool = False) -> FusedLlama | None:
+    """The fused forward for ``model`` where it applies (see the module), else None.
+
+    ``batch_invariant``: the model's own products give a row the same bits at every row count
+    (``LoadedModel.batch_invariant``), so the fused ones must too: they are other shapes (the
+    fused projections) on another kernel (packed), and are probed before they are used."""
     reason = _unsupported(model)
     if reason is not None:
         log.info("transformers' forward kept: %s", reason)
         return None
     try:
-        return FusedLlama(model)
+        fused = FusedLlama(model)
     except (RuntimeError, AttributeError) as exc:  # a torch built without these oneDNN ops
         log.warning("transformers' forward kept: %s", exc)
         return None
+    if batch_invariant and not fused.sums_rows_alike():
+        log.info("transformers' forward kept: the packed bf16 products are not row-invariant here")
+        return None
+    return fused
 
 
 def _unsupported(model: nn.Module) -> str | None:
@@ -215,6 +267,7 @@ def _unsupported(model: nn.Module) -> str | None:
         "input_layernorm": llama.LlamaRMSNorm,
         "post_attention_layernorm": llama.LlamaRMSNorm,
     }
+    kinds = set()
     for layer in model.model.layers:
         if type(layer) is not llama.LlamaDecoderLayer:
             return f"a decoder layer is {type(layer).__name__}"
@@ -227,13 +280,19 @@ def _unsupported(model: nn.Module) -> str | None:
             *_projections(layer.self_attn, "qkvo"),
             *_projections(layer.mlp, _MLP),
         ):
-            if type(linear) is not nn.Linear:
-                return f"a projection is {type(linear).__name__}"
-            if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
-                return f"weights are {linear.weight.dtype} on {linear.weight.device}"
+            kind = (type(linear), linear.weight.dtype, linear.weight.device.type)
+            if kind not in _PACKABLE:
+                return f"a projection is {kind[0].__name__} with {kind[1]} weights on {kind[2]}"
+            kinds.add(kind)
+    if len(kinds) > 1:
+        return "the projections mix float32 and bf16 weights"
+    if kinds and next(iter(kinds))[1] == torch.bfloat16 and not native_bf16():
+        return "bf16 weights on a CPU without native bf16"
     return None
 
 
+# the projections the fused forward packs: float32 ``nn.Linear``, bf16 ``Bf16WeightLinear``; on a CPU
+_PACKABLE = {(nn.Linear, torch.float32, "cpu"), (Bf16WeightLinear, torch.bfloat16, "cpu")}
 _MLP = ("gate", "up", "down")
 
 

@@ -60,9 +60,10 @@ class ModelRunner:
         check_supported(config)
         self.model.set_attn_implementation(ATTENTION_NAME)
         self.packed_output = pack_output_projection(self.model)  # float32 on a CPU: engine.packed_linear
-        # the engine's own forward over fused, packed projections where it applies (Llama, float32
-        # on a CPU: engine.fused_layers); otherwise, and for anyone who calls the model, transformers'
-        self.fused = fuse_llama(self.model)
+        # the engine's own forward over fused, packed projections where it applies (Llama on a CPU,
+        # float32 or bf16 weights: engine.fused_layers); otherwise, and for anyone who calls the
+        # model, transformers'
+        self.fused = fuse_llama(self.model, batch_invariant=loaded.batch_invariant)
         self.transformers_released = False  # release_transformers_weights
         self.kv_pool: KVPool | None = None  # where ``new_kv`` takes buffers from (``use_kv_pool``)
 

@@ -13,7 +13,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from engine import ModelRunner, load_model
+from engine import ModelRunner, fused_layers, load_model
+from engine.bf16_weights import Bf16WeightLinear, native_bf16, use_bf16_weights
 from engine.fused_layers import FusedLlama, PackedWeight, fuse_llama
 from engine.identity import parameters_digest
 from engine.ragged import Segment
@@ -119,12 +120,56 @@ def test_a_serving_runner_gives_the_plain_weights_back_and_still_answers_the_sam
     assert serving.release_transformers_weights() == 0  # and nothing twice
 
 
-def test_the_fused_forward_is_left_out_where_it_does_not_apply(model_dir):
-    bf16 = load_model(str(model_dir), dtype="bf16-weights")
-    assert fuse_llama(bf16.model) is None  # its projections are bf16 modules
+def test_the_fused_forward_is_left_out_where_it_does_not_apply():
     gelu = LlamaForCausalLM(_tiny_config(hidden_act="gelu"))
     assert fuse_llama(gelu) is None
     assert fuse_llama(LlamaForCausalLM(_tiny_config())) is not None
+
+
+@pytest.mark.skipif(
+    not native_bf16(), reason="no native bf16 on this CPU: bf16 weights keep transformers' forward"
+)
+def test_bf16_weights_run_the_fused_forward_and_answer_as_transformers_forward_does(model_dir, ids):
+    """bf16 weights over float32 activations, fused and packed: the same logits as transformers'
+    forward over the model's ``Bf16WeightLinear`` layers where the CPU's bf16 products sum rows
+    alike (AVX512-BF16: the same bits in practice), within bf16's rounding elsewhere (AMX)."""
+    loaded = load_model(str(model_dir), dtype="bf16-weights")
+    runner = ModelRunner(loaded)
+    assert runner.fused is not None
+    assert all(
+        p.bf16 for layer in runner.fused.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    )
+
+    def logits() -> torch.Tensor:
+        out = runner.forward_ragged([Segment(runner.new_kv(200), 0, ids[:200], "all")])[0]
+        assert out is not None
+        return out
+
+    got = logits()
+    with runner.transformers_forward():
+        want = logits()
+    agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    if loaded.batch_invariant:
+        assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
+    assert agreement > 0.95, agreement
+
+
+@pytest.mark.skipif(not native_bf16(), reason="no native bf16 on this CPU")
+def test_a_batch_invariant_model_keeps_transformers_forward_where_the_packed_products_are_not(monkeypatch):
+    model = LlamaForCausalLM(_tiny_config()).eval()
+    use_bf16_weights(model)
+    assert isinstance(model.model.layers[0].mlp.up_proj, Bf16WeightLinear)
+    assert fuse_llama(model) is not None  # not asked to stay invariant: no probe
+    monkeypatch.setattr(fused_layers, "sums_rows_alike", lambda product, in_features: False)
+    assert fuse_llama(model, batch_invariant=True) is None
+    assert fuse_llama(model, batch_invariant=False) is not None
+
+
+def test_bf16_weights_on_a_cpu_without_native_bf16_keep_transformers_forward(monkeypatch):
+    model = LlamaForCausalLM(_tiny_config()).eval()
+    use_bf16_weights(model)
+    monkeypatch.setattr(fused_layers, "native_bf16", lambda: False)
+    assert fuse_llama(model) is None
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -145,16 +190,23 @@ def test_a_tiny_llama_with_and_without_biases_matches_transformers(bias):
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
-def test_a_packed_weight_multiplies_as_its_linears_side_by_side():
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_packed_weight_multiplies_as_its_linears_side_by_side(bf16):
+    if bf16 and not native_bf16():
+        pytest.skip("no native bf16 on this CPU")
     torch.manual_seed(1)
     a, b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 24, bias=False)
+    if bf16:
+        a, b = Bf16WeightLinear(a), Bf16WeightLinear(b)
     packed = PackedWeight(a, b)
-    assert (packed.out_features, packed.in_features) == (32, 16)
+    assert (packed.out_features, packed.in_features, packed.bf16) == (32, 16, bf16)
     for rows in (1, 3, 8, 40):
         x = torch.randn(rows, 16)
         with torch.inference_mode():
             want = torch.cat([a(x), b(x)], dim=-1)
-            assert torch.allclose(packed(x), want, atol=1e-5)
+            got = packed(x)
+            assert got.dtype == torch.float32  # bf16 weights over float32 activations, as Bf16WeightLinear
+            assert torch.allclose(got, want, atol=1e-2 if bf16 else 1e-5), (got - want).abs().max()
 
 
 def _tiny_config(**overrides) -> LlamaConfig:
