@@ -27,6 +27,7 @@ import asyncio
 import json
 import statistics
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +50,16 @@ async def ttft(
     return (await stream_chat(client, url, context_messages(text, question), 8, kv_info=info))[0]
 
 
-def server_side(info: dict) -> dict[str, float] | None:
+def server_side(info: dict) -> dict[str, Any] | None:
     """Where the gateway says a prompt's time went: arrival to first-token logits (``prompt_ms``),
-    lookup, fetch and decode (``load_ms``), and the prefill on top (``prefill_ms``); None from a
-    baseline whose ``kv_cache_info`` has no timings."""
+    lookup, fetch and decode (``load_ms``), and the prefill on top (``prefill_ms``), with how many
+    chunks came at each level (``levels``: a store whose pages are no longer in memory is read
+    from disk, and the planner then takes smaller levels); None from a baseline whose
+    ``kv_cache_info`` has no timings."""
     if "prompt_ms" not in info:
         return None
-    return {k: info[k] for k in ("prompt_ms", "load_ms", "prefill_ms")}
+    levels = Counter(chunk.get("level") or chunk.get("source") for chunk in info.get("chunks", []))
+    return {**{k: info[k] for k in ("prompt_ms", "load_ms", "prefill_ms")}, "levels": dict(levels)}
 
 
 def store_contexts(env: dict[str, str], texts: list[str], log: Path, repo: Path = REPO) -> None:
@@ -136,7 +140,8 @@ def main() -> None:
         for key in ("stored_fresh_server_ms", "stored_2k_worst_server_ms"):
             timed = [r[key] for r in rounds if r[key]]
             if timed:
-                server[name][key] = {k: round(statistics.median(t[k] for t in timed), 1) for k in timed[0]}
+                times = [k for k in timed[0] if k != "levels"]
+                server[name][key] = {k: round(statistics.median(t[k] for t in timed), 1) for k in times}
     for name, timings in server.items():
         for key, ms in timings.items():
             print(name, key, " ".join(f"{k} {v:.1f}" for k, v in ms.items()))
