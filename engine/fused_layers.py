@@ -182,15 +182,26 @@ class FusedLlama:
         self.head = model.get_output_embeddings()
         self.layers = [FusedLayer(layer) for layer in base.layers[: model.config.num_hidden_layers]]
 
-    def sums_rows_alike(self) -> bool:
-        """True if each of this forward's products gives a row the same bits at every row count
-        (``engine.bf16_weights.sums_rows_alike``, on each distinct shape's first product)."""
+    def _distinct_products(self) -> list[PackedWeight]:
+        """Each distinct shape's first product."""
         products: dict[tuple[int, int], PackedWeight] = {}
         for layer in self.layers:
             for product in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 products.setdefault((product.out_features, product.in_features), product)
+        return list(products.values())
+
+    def sums_rows_alike(self) -> bool:
+        """True if each of this forward's products gives a row the same bits at every row count
+        (``engine.bf16_weights.sums_rows_alike``, on each distinct shape's first product)."""
         with torch.inference_mode():
-            return all(sums_rows_alike(p, p.in_features) for p in products.values())
+            return all(sums_rows_alike(p, p.in_features) for p in self._distinct_products())
+
+    def runs_one_row(self) -> bool:
+        """Multiply one row through each distinct product (raises where a kernel is missing)."""
+        with torch.inference_mode():
+            for product in self._distinct_products():
+                product(torch.zeros(1, product.in_features))
+        return True
 
     def release_plain_weights(self, model: nn.Module) -> int:
         """Free ``model``'s own decoder projection weights, which this forward does not read: each
@@ -245,10 +256,13 @@ def fuse_llama(model: nn.Module, batch_invariant: bool = False) -> FusedLlama | 
         return None
     try:
         fused = FusedLlama(model)
+        # every distinct product once (the probe, or one row): a torch whose oneDNN lacks the
+        # bf16 kernels fails here, not in the first request
+        alike = fused.sums_rows_alike() if batch_invariant else fused.runs_one_row()
     except (RuntimeError, AttributeError) as exc:  # a torch built without these oneDNN ops
         log.warning("transformers' forward kept: %s", exc)
         return None
-    if batch_invariant and not fused.sums_rows_alike():
+    if not alike:
         log.info("transformers' forward kept: the packed bf16 products are not row-invariant here")
         return None
     return fused

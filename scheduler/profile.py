@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 #    several times dearer than it is
 # 9: the engine's fused forward (engine/fused_layers.py): prefill passes of few rows are faster
 #    than what profiles of 8 timed
-PROFILE_VERSION = 9
+# 10: the fused forward runs bf16 weights too: a bf16-weights model's prefill is faster than what
+#    profiles of 9 timed
+PROFILE_VERSION = 10
 _EWMA = 0.2  # weight of the newest measurement
 # A decode slower than this many times the estimate is learned as this many times: a fresh
 # process's first chunk took 30-141 ms where the rest took 21-23 (a one-time cost not yet found).

@@ -135,6 +135,8 @@ def test_bf16_weights_run_the_fused_forward_and_answer_as_transformers_forward_d
     alike (AVX512-BF16: the same bits in practice), within bf16's rounding elsewhere (AMX)."""
     loaded = load_model(str(model_dir), dtype="bf16-weights")
     runner = ModelRunner(loaded)
+    if loaded.batch_invariant and runner.fused is None:
+        pytest.skip("this CPU's packed bf16 products are not row-invariant: transformers' forward kept")
     assert runner.fused is not None
     assert all(
         p.bf16 for layer in runner.fused.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -206,7 +208,8 @@ def test_a_packed_weight_multiplies_as_its_linears_side_by_side(bf16):
             want = torch.cat([a(x), b(x)], dim=-1)
             got = packed(x)
             assert got.dtype == torch.float32  # bf16 weights over float32 activations, as Bf16WeightLinear
-            assert torch.allclose(got, want, atol=1e-2 if bf16 else 1e-5), (got - want).abs().max()
+            # bf16: the same rounded inputs, summed in float32 (in another order at most)
+            assert torch.allclose(got, want, atol=1e-4 if bf16 else 1e-5), (got - want).abs().max()
 
 
 def _tiny_config(**overrides) -> LlamaConfig:
