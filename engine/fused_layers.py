@@ -196,12 +196,11 @@ class FusedLlama:
         with torch.inference_mode():
             return all(sums_rows_alike(p, p.in_features) for p in self._distinct_products())
 
-    def runs_one_row(self) -> bool:
+    def run_one_row(self) -> None:
         """Multiply one row through each distinct product (raises where a kernel is missing)."""
         with torch.inference_mode():
             for product in self._distinct_products():
                 product(torch.zeros(1, product.in_features))
-        return True
 
     def release_plain_weights(self, model: nn.Module) -> int:
         """Free ``model``'s own decoder projection weights, which this forward does not read: each
@@ -256,14 +255,14 @@ def fuse_llama(model: nn.Module, batch_invariant: bool = False) -> FusedLlama | 
         return None
     try:
         fused = FusedLlama(model)
-        # every distinct product once (the probe, or one row): a torch whose oneDNN lacks the
-        # bf16 kernels fails here, not in the first request
-        alike = fused.sums_rows_alike() if batch_invariant else fused.runs_one_row()
+        # each distinct product runs here once (the row probe, or one row), so that a torch whose
+        # oneDNN lacks a kernel (bf16) fails at start-up, not in the first request
+        if batch_invariant and not fused.sums_rows_alike():
+            log.info("transformers' forward kept: the packed bf16 products are not row-invariant here")
+            return None
+        fused.run_one_row()
     except (RuntimeError, AttributeError) as exc:  # a torch built without these oneDNN ops
         log.warning("transformers' forward kept: %s", exc)
-        return None
-    if not alike:
-        log.info("transformers' forward kept: the packed bf16 products are not row-invariant here")
         return None
     return fused
 
