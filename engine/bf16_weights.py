@@ -72,14 +72,22 @@ class Bf16WeightLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] == 1:  # oneDNN's one-row path sums in another order: take a two-row product's first
-            doubled = rows.to(torch.bfloat16).expand(2, -1)
-            return F.linear(doubled, self.weight, self.bias)[:1].to(x.dtype).reshape(*x.shape[:-1], -1)
-        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+        return bf16_product(x, lambda rows: F.linear(rows, self.weight, self.bias))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weight=bfloat16"
+
+
+def bf16_product(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``product`` (a bf16 matmul) of ``x`` rounded to bf16, returned in ``x``'s dtype. oneDNN's
+    one-row path sums in another order than its many-row one, so a one-row input is doubled and
+    the first row of the two-row product kept: a row then gets the same bits at every row count
+    where the kernels allow it (``sums_rows_alike``)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 1:
+        doubled = rows.to(torch.bfloat16).expand(2, -1)
+        return product(doubled)[:1].to(x.dtype).reshape(*x.shape[:-1], -1)
+    return product(x.to(torch.bfloat16)).to(x.dtype)
 
 
 def use_bf16_weights(model: nn.Module) -> int:

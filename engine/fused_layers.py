@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from engine.bf16_weights import Bf16WeightLinear, native_bf16, sums_rows_alike
+from engine.bf16_weights import Bf16WeightLinear, bf16_product, native_bf16, sums_rows_alike
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +86,9 @@ class PackedWeight:
 
     The layers are float32 ``nn.Linear`` or, on a CPU with native bf16,
     ``Bf16WeightLinear`` (``engine.bf16_weights``): bf16 weights over float32
-    activations, the input rounded to bf16 and the output returned in float32
-    as that layer does, its one-row input doubled as that layer's is (oneDNN
-    sums a one-row product in another order), so a row gets the same bits at
-    every row count where the CPU's kernels give them (``FusedLlama.sums_rows_alike``).
+    activations, multiplied as that layer does (``engine.bf16_weights.bf16_product``),
+    so a row gets the same bits at every row count where the CPU's kernels give
+    them (``FusedLlama.sums_rows_alike``).
     """
 
     def __init__(self, *linears: nn.Module) -> None:
@@ -110,13 +109,11 @@ class PackedWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.bf16:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        one = rows.shape[0] == 1
-        if one:
-            rows = rows.expand(2, -1).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return (out[:1] if one else out).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            return self._product(x)
+        return bf16_product(x, lambda rows: self._product(rows.contiguous()))
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 class FusedLayer:
