@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 from collections import Counter
@@ -67,9 +68,31 @@ def store_contexts(env: dict[str, str], texts: list[str], log: Path, repo: Path 
         pre_encode(client, texts, None)
 
 
-def run_side(repo: Path, env: dict[str, str], long_text: str, texts: list[str], log: Path) -> dict[str, Any]:
+def set_page_cache(store: Path, state: str) -> None:
+    """Put the store's files in the page cache state the fresh question is asked in: ``evicted``
+    (``posix_fadvise(DONTNEED)``: read from the disk again, as after a reboot or once this VM's
+    DAMON pageout has taken them), ``hot`` (read once, so they are in memory) or ``as-is``."""
+    if state == "as-is":
+        return
+    for path in store.rglob("*"):
+        if not path.is_file():
+            continue
+        if state == "hot":
+            path.read_bytes()
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_side(
+    repo: Path, env: dict[str, str], long_text: str, texts: list[str], log: Path, page_cache: str = "as-is"
+) -> dict[str, Any]:
     fresh_info: dict = {}
     with GatewayProcess(env, log, repo=repo) as g:
+        set_page_cache(Path(env["CACHEGEN_STORE"].removeprefix("file://")), page_cache)
         fresh = asyncio.run(_one(g.url, long_text, QUESTIONS[2], fresh_info))
     infos: list[dict] = [{} for _ in texts[2:]]
     with GatewayProcess(env, log, repo=repo) as g:
@@ -108,6 +131,10 @@ def main() -> None:
         "--warmup-rounds", type=int, default=1,
         help="rounds run first and not counted: the first gateways after the encode ran 1.5-3x slower on both sides",
     )  # fmt: skip
+    p.add_argument(
+        "--page-cache", choices=("as-is", "evicted", "hot"), default="as-is",
+        help="the store's files before the fresh question: left as they are, dropped from the page cache, or read into it",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS / "stored_load.json")
     args = p.parse_args()
     model = convert_default_model(default_cache_dir())
@@ -123,7 +150,9 @@ def main() -> None:
             store_contexts(envs[name], [long_text, *texts], root / f"encode-{name}.log", repo)
         for r in range(args.warmup_rounds + args.rounds):
             for name, repo in repos.items():
-                result = run_side(repo, envs[name], long_text, texts, root / f"{name}-{r}.log")
+                result = run_side(
+                    repo, envs[name], long_text, texts, root / f"{name}-{r}.log", args.page_cache
+                )
                 counted = r >= args.warmup_rounds
                 if counted:
                     sides[name].append(result)
@@ -145,7 +174,13 @@ def main() -> None:
     for name, timings in server.items():
         for key, ms in timings.items():
             print(name, key, " ".join(f"{k} {v:.1f}" for k, v in ms.items()))
-    report(args.out, args.baseline, sides, summary, extra={"server_medians_ms": server})
+    report(
+        args.out,
+        args.baseline,
+        sides,
+        summary,
+        extra={"server_medians_ms": server, "page_cache": args.page_cache},
+    )
 
 
 if __name__ == "__main__":

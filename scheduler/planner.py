@@ -45,6 +45,7 @@ low chunk never pass for two middling ones.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +73,13 @@ class PlanInputs:
     compute_busy_s: float = 0.0  # decode time still owed to chunks already fetched or in flight
     budget_s: float | None = None  # time left for the whole prompt, or None
     allow_text: bool = True
+    # per level, where its transfers get a rate of their own (``scheduler.bandwidth.LinkRates``);
+    # a level not named here is priced at ``rate_bps``
+    level_rates_bps: Mapping[str, float] | None = None
+
+    def rate_for(self, level: str) -> float:
+        rates = self.level_rates_bps or {}
+        return max(rates.get(level, self.rate_bps), 1.0)
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,7 @@ def plan(inputs: PlanInputs) -> Plan:
     m = k + j  # chunks [k, m) at level a, [m, n) at the lower level b
 
     start = _compute_start(inputs)
-    routes = {level: _Route(inputs.chunks, level, inputs.rate_bps) for level in levels}
+    routes = {level: _Route(inputs.chunks, level, inputs.rate_for(level)) for level in levels}
     pairs = list(itertools.combinations(levels, 2)) or [(levels[0], levels[0])]
     ends, dists = [], []  # per pair, one entry per (k, j)
     for a, b in pairs:
@@ -130,8 +138,7 @@ class _Route:
     (-inf when empty): the chunk whose arrival, plus the decode from it on, ends a segment last."""
 
     def __init__(self, chunks: list[ChunkCosts], level: str, rate_bps: float) -> None:
-        rate = max(rate_bps, 1.0)
-        self.link = _prefix_sums([c.bytes.get(level, 0) / rate for c in chunks])
+        self.link = _prefix_sums([c.bytes.get(level, 0) / rate_bps for c in chunks])
         self.decode = _prefix_sums([c.decode_s.get(level, 0.0) for c in chunks])
         self.missing = _prefix_sums([float(level not in c.bytes) for c in chunks])
         n = len(chunks)
@@ -157,7 +164,7 @@ def predict(inputs: PlanInputs, sources: list[str]) -> float:
             continue
         if source not in chunk.bytes:
             return float("inf")
-        link += chunk.bytes[source] / max(inputs.rate_bps, 1.0)
+        link += chunk.bytes[source] / inputs.rate_for(source)
         done = max(done, link) + chunk.decode_s.get(source, 0.0)
     return done + inputs.suffix_s
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from scheduler.bandwidth import BandwidthEstimator
+from scheduler.bandwidth import BandwidthEstimator, LinkRates
 
 
 def transfer(est: BandwidthEstimator, nbytes: int, seconds: float) -> None:
@@ -63,3 +63,44 @@ def test_a_bunch_finishing_after_a_long_shared_transfer_is_not_a_burst():
         est.end(start, 400_000)
         time.sleep(0.002)
     assert est.bytes_per_second <= 2.6e6
+
+
+def level_transfer(rates: LinkRates, level: str, nbytes: int, seconds: float) -> None:
+    started = rates.begin()
+    time.sleep(seconds)
+    rates.end(started, nbytes, level)
+
+
+def test_each_level_gets_the_rate_of_its_own_transfers():
+    """Small transfers pay a per-request cost that large ones spread over more bytes: each level
+    is priced at what its own transfers got, not at the mix."""
+    rates = LinkRates(evidence_s=0.0)
+    for _ in range(3):
+        level_transfer(rates, "medium", 20_000, 0.02)  # 1 MB/s
+        level_transfer(rates, "lossless", 200_000, 0.02)  # 10 MB/s
+    got = rates.for_levels(["lossless", "medium"], fallback=rates.bytes_per_second)
+    assert got["lossless"] == pytest.approx(10e6, rel=0.4)
+    assert got["medium"] == pytest.approx(1e6, rel=0.4)
+    assert got["medium"] < rates.bytes_per_second < got["lossless"]
+
+
+def test_a_level_not_measured_gets_the_fallback_raised_to_the_floor():
+    rates = LinkRates()
+    level_transfer(rates, "medium", 20_000, 0.02)
+    measured = rates.bytes_per_second
+    # no floor (a remote link): the overall estimate, as before levels had rates of their own
+    assert rates.for_levels(["lossless"], fallback=measured) == {"lossless": measured}
+    # a store that claims a rate for large reads is tried at it before a small level's rate counts
+    assert rates.for_levels(["lossless"], fallback=measured, floor=2e9) == {"lossless": 2e9}
+
+
+def test_under_a_floor_a_level_counts_once_its_transfers_add_up_to_the_evidence():
+    rates = LinkRates(evidence_s=0.05)
+    level_transfer(rates, "lossless", 20_000, 0.02)  # 1 MB/s, on 20 ms of transfers
+    assert rates.for_levels(["lossless"], fallback=1.0, floor=5e6) == {"lossless": 5e6}
+    # without a floor there is nothing to hold: the estimate counts at once
+    assert rates.for_levels(["lossless"], fallback=1.0)["lossless"] == pytest.approx(1e6, rel=0.4)
+    for _ in range(3):
+        level_transfer(rates, "lossless", 20_000, 0.02)
+    # a slow store says so: its own rate, below the floor, once it rests on enough transfers
+    assert rates.for_levels(["lossless"], fallback=1.0, floor=5e6)["lossless"] == pytest.approx(1e6, rel=0.4)

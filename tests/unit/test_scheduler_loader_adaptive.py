@@ -46,6 +46,9 @@ class SimulatedLink(MemoryStore):
         self._lane = threading.Lock()
         self.gets = 0
         self.drop_after: tuple[int, float] | None = None  # (GETs, new rate): the link degrades
+        self.overlapped: list[bool] = []  # per chunk GET: another was in flight when it was issued
+        self._active = 0
+        self._count = threading.Lock()
 
     def resident_many(self, keys):
         return [False for _ in keys]
@@ -54,11 +57,18 @@ class SimulatedLink(MemoryStore):
         data = super().get(key, limit)
         if key.endswith("index.json"):
             return data
-        with self._lane:
-            self.gets += 1
-            if self.drop_after is not None and self.gets > self.drop_after[0]:
-                self.rate_bps = self.drop_after[1]
-            time.sleep(len(data) / self.rate_bps)
+        with self._count:
+            self.overlapped.append(self._active > 0)
+            self._active += 1
+        try:
+            with self._lane:
+                self.gets += 1
+                if self.drop_after is not None and self.gets > self.drop_after[0]:
+                    self.rate_bps = self.drop_after[1]
+                time.sleep(len(data) / self.rate_bps)
+        finally:
+            with self._count:
+                self._active -= 1
         return data
 
 
@@ -114,7 +124,7 @@ def sources(result) -> list[str]:
 
 
 def test_fast_link_and_a_loose_budget_load_lossless():
-    store, contexts, loader, tokens = setup(rate_bps=5e6)
+    _, contexts, loader, tokens = setup(rate_bps=5e6)
     run(contexts, loader, tokens, budget_s=5.0)  # the first request measures the link
     result, _ = run(contexts, loader, tokens, budget_s=5.0)
     # exact KV only: lossless, or text where recomputing beside the link is faster
@@ -124,7 +134,7 @@ def test_fast_link_and_a_loose_budget_load_lossless():
 
 
 def test_slow_link_mixes_lower_levels_and_text_to_meet_a_tight_budget():
-    store, contexts, loader, tokens = setup(rate_bps=100e3)
+    _, contexts, loader, tokens = setup(rate_bps=100e3)
     run(contexts, loader, tokens[: 4 * CHUNK], budget_s=0.3)  # measure the link
     result, elapsed = run(contexts, loader, tokens, budget_s=0.35)
     used = sources(result)
@@ -176,6 +186,44 @@ def test_a_store_that_knows_its_rate_has_its_first_chunks_planned_with_it(monkey
     run(contexts, loader, tokens)
     assert rates[0] == 2e9
     assert LocalStore.prior_bytes_per_second and LocalStore.prior_bytes_per_second > PRIOR_BYTES_PER_SECOND
+
+
+def test_a_small_level_measured_slow_does_not_price_lossless_under_the_store_floor(monkeypatch):
+    """Each level is priced at its own transfers' rate (``LinkRates``): after requests that read
+    only ``medium``, a local directory's lossless chunks are planned at the store's floor, not at
+    the rate the small reads got, and from their own reads on at what those got."""
+    seen: list[dict[str, float]] = []
+
+    def recording(inputs):
+        seen.append(dict(inputs.level_rates_bps or {}))
+        return plan(inputs)
+
+    store, contexts, loader, tokens = setup(rate_bps=2e6)
+    store.prior_bytes_per_second = 50e6
+    loader.bandwidth.evidence_s = 0.0  # the simulated chunks are small: any transfer counts
+    stored = find_stored_prefix(store, contexts.fingerprint, CHUNK, contexts.keys(tokens), tokens, [MEDIUM])
+    fixed = KVRequest([MEDIUM], RANKS, fixed=True)
+    loader.load(SimulatedRunner(), stored, tokens, fixed, len(tokens) + 1, time.perf_counter())
+    medium_rate = loader.bandwidth.level("medium")
+    assert medium_rate is not None and medium_rate < 3e6
+    monkeypatch.setattr(loader_module, "plan", recording)
+    run(contexts, loader, tokens)
+    assert seen[0]["lossless"] == 50e6  # the floor, where the small reads' rate would be 2 MB/s
+    assert seen[0]["medium"] == medium_rate
+    assert loader.bandwidth.level("lossless") is not None  # lossless was read, and so measured
+    assert seen[-1]["lossless"] == pytest.approx(2e6, rel=0.5)  # its own rate, once it counts
+
+
+def test_a_store_that_knows_its_rate_overlaps_its_first_fetches():
+    """On a link nobody has measured the first chunk is fetched alone; a store with a prior (a
+    local directory) fetches the whole window at once, so its first estimate is of reads that
+    overlap as later ones do."""
+    for prior, overlaps in ((None, False), (50e6, True)):
+        store, contexts, loader, tokens = setup(rate_bps=2e6)
+        store.prior_bytes_per_second = prior
+        store.overlapped.clear()
+        run(contexts, loader, tokens)
+        assert store.overlapped[1] is overlaps, (prior, store.overlapped[:4])
 
 
 class GatedRunner(SimulatedRunner):

@@ -140,8 +140,10 @@ def test_the_closed_form_is_the_step_by_step_pipeline():
         sizes = {lv: rng.uniform(0.1e6, 12e6) for lv in LEVELS}
         decode = {lv: rng.uniform(0.002, 0.05) for lv in LEVELS}
         costs = [ChunkCosts(dict(sizes), dict(decode), rng.uniform(0.05, 0.3)) for _ in range(n)]
+        own = rng.choice([None, {lv: rng.choice([20, 200, 1000, 8000]) * 1e6 / 8 for lv in LEVELS[:2]}])
         inp = inputs(
             rate_mbps=rng.choice([20, 200, 1000, 8000]),
+            level_rates_bps=own,
             chunk_costs=costs,
             link_busy_s=rng.choice([0.0, 0.05]),
             compute_busy_s=rng.choice([0.0, 0.08]),
@@ -169,3 +171,22 @@ def test_the_better_level_goes_first():
             assert chosen.sources == sorted(chosen.sources, key=order.index)
             mixed += len(set(chosen.sources)) > 1
     assert mixed >= 3
+
+
+def test_a_level_is_priced_at_its_own_rate():
+    """A local disk: small ``medium`` reads measured 0.4 GB/s, whose per-read cost lossless's
+    11 MiB reads do not pay (1.6 GB/s). Priced at the small reads' rate, lossless looks slower
+    than decoding medium; at its own, it is faster."""
+    levels = ["lossless", "medium"]
+    costs = [
+        ChunkCosts({"lossless": 11_200_000, "medium": 460_000}, {"lossless": 0.007, "medium": 0.010}, 0.3)
+    ] * 15
+    overall = inputs(rate_mbps=0.4e9 * 8e-6, levels=levels, chunk_costs=costs)
+    assert set(plan(overall).sources) == {"medium"}
+    own = inputs(
+        rate_mbps=0.4e9 * 8e-6, levels=levels, chunk_costs=costs, level_rates_bps={"lossless": 1.6e9}
+    )
+    chosen = plan(own)
+    assert chosen.sources == ["lossless"] * 15
+    assert chosen.predicted_s == pytest.approx(predict(own, chosen.sources))
+    assert chosen.predicted_s < plan(overall).predicted_s
