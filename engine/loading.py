@@ -32,6 +32,7 @@ _CONVERTED_MARKER = "cachegen-converted.txt"
 _CONVERSION_VERSION = "2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_WEIGHTS = "bf16-weights"
+BF16_ATTENTION_SUFFIX = "+bf16-attention"
 
 
 class ModelLoadError(RuntimeError):
@@ -51,12 +52,20 @@ class LoadedModel:
     # every product gives a row the same bits in any batch (bf16 weights that the probe found
     # row-invariant on this CPU), so the engine attends prompts in fixed tiles to keep it so
     batch_invariant: bool = False
+    # prompt chunks attend in bf16 (queries, keys and values rounded to bf16, float32 out): bf16
+    # weights on a CPU with native bf16 whose products are not batch-invariant anyway (AMX), where
+    # bf16 flash attention runs 3x float32's (``engine.ragged``)
+    bf16_attention: bool = False
 
     @property
     def precision(self) -> str:
         """How the model computes, as keys and profiles name it: ``torch.float32``,
         ``torch.float32+bf16-weights``... (a plain model's is ``str(dtype)``, as keys always named it)."""
-        return str(self.dtype) + (PRECISION_SUFFIX if self.bf16_weights else "")
+        return (
+            str(self.dtype)
+            + (PRECISION_SUFFIX if self.bf16_weights else "")
+            + (BF16_ATTENTION_SUFFIX if self.bf16_attention else "")
+        )
 
 
 def default_cache_dir() -> Path:
@@ -136,7 +145,8 @@ def load_model(
     AVX512-BF16 does, AMX does not), else float32 (a whole-bf16 model is slower there, fp16
     slower still); the model's own dtype on a GPU. Or ``float32``, ``bfloat16``, ``float16``, or
     ``bf16-weights``: float32 activations and KV with bf16 weights in the linear layers
-    (``engine.bf16_weights``).
+    (``engine.bf16_weights``); where those are not batch-invariant (AMX), prompts also attend in
+    bf16 (``LoadedModel.bf16_attention``).
     """
     cache_dir = cache_dir or default_cache_dir()
     dev = pick_device(device)
@@ -189,6 +199,7 @@ def load_model(
         weights_dir=_local_dir(path),
         bf16_weights=bf16_weights,
         batch_invariant=bf16_weights and invariant,
+        bf16_attention=bf16_weights and not invariant and dev.type == "cpu" and native_bf16(),
     )
 
 

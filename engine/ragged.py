@@ -52,6 +52,14 @@ nothing is copied or concatenated, and the shared tokens are never written.
 Off the CPU, a prompt's chunk always goes to SDPA's causal kernel or
 ``_attend_parts``, which are not chunk-invariant.
 
+With ``active(..., bf16_prompts=True)`` (``LoadedModel.bf16_attention``: bf16
+weights on a CPU whose bf16 products are not batch-invariant, AMX) an untiled
+prompt chunk's queries, keys and values are rounded to bf16 for those calls
+and its output comes back as float32; the KV buffers stay float32, and decodes
+are attended in float32 as before. One causal SDPA call over 3,584 tokens took
+74.3 ms in float32 and 24.6 ms in bf16 on the AMX Xeon, and a 3,584-token
+prefill 4.14 s against 2.94 s with every prompt chunk attended so.
+
 The attention function has no mask to follow, so models whose attention is
 more than causal softmax (sliding windows, logit soft-capping) are refused
 (``check_supported``).
@@ -161,12 +169,13 @@ _state = threading.local()
 
 
 @contextmanager
-def active(segments: Sequence[Segment], tiled: bool = False) -> Iterator[None]:
+def active(segments: Sequence[Segment], tiled: bool = False, bf16_prompts: bool = False) -> Iterator[None]:
     """Route this thread's attention calls to ``segments`` for the duration. ``tiled`` (the model
     is batch-invariant): prompt chunks on a CPU go to ``engine.tiled_attention`` (the same bits
     however a prompt is cut) and every decode is attended by itself; otherwise the one-token
     segments of at most ``BATCH_MAX_KEYS`` keys are attended together: by
-    ``engine.decode_attention`` (float32 on a CPU) or as a padded batch (``_DecodeBatch``)."""
+    ``engine.decode_attention`` (float32 on a CPU) or as a padded batch (``_DecodeBatch``).
+    ``bf16_prompts``: untiled prompt chunks attend in bf16 (the module docstring)."""
     work, ones, at = [], [], 0
     for segment in segments:
         tiles = tiled and not segment.decode and segment.kv.device.type == "cpu"
@@ -180,7 +189,7 @@ def active(segments: Sequence[Segment], tiled: bool = False) -> Iterator[None]:
     elif len(ones) > 1:
         decodes = _DecodeBatch(ones, segments[0].kv.device)
     together = {id(segment) for segment, _ in ones} if decodes is not None else set()
-    _state.batch = (work, decodes, together)
+    _state.batch = (work, decodes, together, bf16_prompts)
     try:
         yield
     finally:
@@ -201,8 +210,10 @@ def ragged_attention(
     (1, kv_heads, tokens, dim) after rotary; returns (1, tokens, q_heads, dim)."""
     batch = getattr(_state, "batch", None)
     if batch is None:
-        raise RuntimeError("ragged attention runs only inside engine.ragged.active (ModelRunner.forward_ragged)")
-    work, decodes, together = batch
+        raise RuntimeError(
+            "ragged attention runs only inside engine.ragged.active (ModelRunner.forward_ragged)"
+        )
+    work, decodes, together, bf16_prompts = batch
     layer = module.layer_idx
     writes = isinstance(decodes, DecodeTable)  # the kernel writes its decodes' KV itself
     into, new = [], []  # the other segments' new keys and values, written in one call
@@ -228,18 +239,29 @@ def ragged_attention(
         q1 = q0 + n
         if tiled is not None:
             out[0, :, q0:q1] = tiled.attend(layer, query[0, :, q0:q1], scaling)
-        elif segment.shared or (n > 1 and segment.start > 0):
-            parts = _own_apart(segment.parts(layer), n)
-            out[0, :, q0:q1] = _attend_parts(query[0, :, q0:q1], parts, scaling)
+            continue
+        # a prompt's chunk in bf16 where asked (a decode's one query stays float32)
+        cast = _to_bf16 if bf16_prompts and not segment.decode else _as_is
+        if segment.shared or (n > 1 and segment.start > 0):
+            parts = [cast(part) for part in _own_apart(segment.parts(layer), n)]
+            out[0, :, q0:q1] = _attend_parts(cast(query[0, :, q0:q1]), parts, scaling)
         elif n == 1:
-            own = segment.kv[layer, :, :, : segment.end]
-            out[0, :, q0] = _one_query(query[0, :, q0], own[0], own[1], scaling)
+            own = cast(segment.kv[layer, :, :, : segment.end])
+            out[0, :, q0] = _one_query(cast(query[0, :, q0]), own[0], own[1], scaling)
         else:  # a prompt's first chunk, untiled: SDPA's fused causal path
-            own = segment.kv[layer, :, :, : segment.end]
-            out[0, :, q0:q1] = _causal(query[:, :, q0:q1], own[0][None], own[1][None], scaling)[0].transpose(
-                0, 1
-            )
+            own = cast(segment.kv[layer, :, :, : segment.end])
+            out[0, :, q0:q1] = _causal(cast(query[:, :, q0:q1]), own[0][None], own[1][None], scaling)[
+                0
+            ].transpose(0, 1)
     return out.transpose(1, 2), None
+
+
+def _to_bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16)
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _own_apart(parts: list[torch.Tensor], n: int) -> list[torch.Tensor]:

@@ -181,7 +181,7 @@ class ModelRunner:
         input_ids = torch.tensor([ids], device=self.device)
         position_ids = torch.tensor([positions], device=self.device)
         rows = torch.tensor(keep, device=self.device)
-        with active(segments, tiled=self.loaded.batch_invariant):
+        with active(segments, tiled=self.loaded.batch_invariant, bf16_prompts=self.loaded.bf16_attention):
             if self.fused is not None:
                 logits = self.fused.logits(input_ids, position_ids, rows, ragged_attention).float()
             else:

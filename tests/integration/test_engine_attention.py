@@ -281,7 +281,12 @@ def test_prefill_and_decode_run_the_serving_path_and_match_stock_transformers(ru
 def test_bf16_weights_replace_every_linear_and_keep_the_answers(model_dir, runner, ids):
     loaded = load_model(str(model_dir), dtype="bf16-weights")
     assert loaded.bf16_weights and loaded.dtype == torch.float32
-    assert loaded.precision == "torch.float32+bf16-weights"
+    # prompts attend in bf16 too where the bf16 products are not batch-invariant anyway (AMX),
+    # and the precision, which every key holds, says so
+    assert loaded.bf16_attention == (native_bf16() and not loaded.batch_invariant)
+    assert loaded.precision == "torch.float32+bf16-weights" + (
+        "+bf16-attention" if loaded.bf16_attention else ""
+    )
     linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
     replaced = [m for m in loaded.model.modules() if isinstance(m, Bf16WeightLinear)]
     assert not linears and len(replaced) == 7 * runner.num_layers + 1  # and the output projection
@@ -339,3 +344,48 @@ def test_warm_up_compiles_the_decode_kernel_for_the_models_layouts(runner, monke
     assert together == [2] * runner.num_layers, "the warm-up's two sequences go through the kernel"
     # the model's query, key and value are strided views: the kernel is compiled for those layouts
     assert any(signature[0].layout == "A" for signature in decode_attention._attend.signatures)
+
+
+def test_bf16_prompt_attention_rounds_prompt_chunks_and_leaves_decodes_alone(runner, ids, monkeypatch):
+    """``LoadedModel.bf16_attention``: an untiled prompt chunk's attention runs on bf16 queries,
+    keys and values (the first chunk's causal call and a later chunk's parts); its output, the KV
+    buffer and a decode's attention stay float32."""
+    seen: list[tuple[str, torch.dtype]] = []
+    for name in ("_attend_parts", "_causal"):
+        original = getattr(ragged, name)
+
+        def spy(query, *args, _original=original, _name=name, **kwargs):
+            seen.append((_name, query.dtype))
+            return _original(query, *args, **kwargs)
+
+        monkeypatch.setattr(ragged, name, spy)
+
+    def prompt(kv: torch.Tensor) -> torch.Tensor:
+        first = runner.forward_ragged([Segment(kv, 0, ids[:64], "all")])[0]
+        rest = runner.forward_ragged([Segment(kv, 64, ids[64:], "all")])[0]
+        return torch.cat([first, rest])
+
+    def decode(kv: torch.Tensor, token: int) -> torch.Tensor:
+        return runner.forward_ragged([Segment(kv.clone(), len(ids), [token], decode=True)])[0]
+
+    plain_kv = runner.new_kv(len(ids) + 1)
+    plain = prompt(plain_kv)
+    assert {dtype for _, dtype in seen} == {torch.float32}
+    seen.clear()
+    monkeypatch.setattr(runner.loaded, "bf16_attention", True)
+    rounded_kv = runner.new_kv(len(ids) + 1)
+    rounded = prompt(rounded_kv)
+    layers = runner.num_layers
+    assert seen == [("_causal", torch.bfloat16)] * layers + [("_attend_parts", torch.bfloat16)] * layers
+    assert rounded.dtype == rounded_kv.dtype == torch.float32
+    agreement = (rounded.argmax(-1) == plain.argmax(-1)).float().mean().item()
+    assert agreement > 0.95, agreement
+    assert not torch.allclose(rounded, plain, atol=1e-4)  # the chunks really were attended in bf16
+
+    token = int(rounded[-1].argmax())
+    seen.clear()
+    on = decode(rounded_kv, token)
+    monkeypatch.setattr(runner.loaded, "bf16_attention", False)
+    off = decode(rounded_kv, token)
+    assert not [s for s in seen if s[1] == torch.bfloat16]
+    assert torch.equal(on, off)  # a decode reads the same float32 KV the same way either way
