@@ -145,6 +145,8 @@ async def health(request: Request) -> dict:
         "device": str(gateway.runner.device),
         "dtype": str(gateway.runner.loaded.dtype).removeprefix("torch."),
         "weights_dtype": "bfloat16" if gateway.runner.loaded.bf16_weights else None,
+        # prompts' attention, where it differs from ``dtype`` (bf16 weights on AMX)
+        "prompt_attention_dtype": "bfloat16" if gateway.runner.loaded.bf16_attention else None,
         "in_flight": gateway.admission.admitted,
     }
 

@@ -10,8 +10,10 @@ rotary embeddings and attention then run in bf16 too, which the CPU has no
 fast path for.
 
 So only the linear layers' weights are bf16; the activations, the attention
-and the KV stay float32. The inputs of each projection are rounded to bf16
-and its outputs come back as float32 (oneDNN accumulates in float32). Measured
+and the KV stay float32 (except that where these products are not
+batch-invariant, AMX, prompts attend in bf16: ``LoadedModel.bf16_attention``).
+The inputs of each projection are rounded to bf16 and its outputs come back as
+float32 (oneDNN accumulates in float32). Measured
 on the default model with ``benchmarks/step_bench.py`` in one run: a decode
 step of 8 sequences 78 -> 54 ms, of 16 sequences 124 -> 73 ms, a 1,024-token
 prefill 1.67 -> 0.81 s; one sequence is unchanged (40 -> 38 ms).

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.bf16_weights import native_bf16
 from tests.conftest import MODEL_NAME
 from tests.gateway_process import GatewayProcess
 
@@ -46,11 +47,15 @@ def ask(gateway: GatewayProcess, question: str) -> dict:
     return r.json()
 
 
-def test_health_says_the_weights_are_bf16(pair):
+def test_health_says_the_weights_are_bf16(pair, bf16_invariant):
     fp32, bf16 = pair
     assert httpx.get(f"{bf16.url}/health").json()["weights_dtype"] == "bfloat16"
     assert httpx.get(f"{fp32.url}/health").json()["weights_dtype"] is None
     assert httpx.get(f"{bf16.url}/health").json()["dtype"] == "float32"  # activations and KV
+    # prompts attend in bf16 where bf16 products are not batch-invariant anyway (AMX)
+    prompts = "bfloat16" if native_bf16() and not bf16_invariant else None
+    assert httpx.get(f"{bf16.url}/health").json()["prompt_attention_dtype"] == prompts
+    assert httpx.get(f"{fp32.url}/health").json()["prompt_attention_dtype"] is None
 
 
 def test_each_precision_reuses_only_its_own_kv(pair):
