@@ -351,7 +351,7 @@ def test_bf16_prompt_attention_rounds_prompt_chunks_and_leaves_decodes_alone(run
     keys and values (the first chunk's causal call and a later chunk's parts); its output, the KV
     buffer and a decode's attention stay float32."""
     seen: list[tuple[str, torch.dtype]] = []
-    for name in ("_attend_parts", "_causal"):
+    for name in ("_attend_parts", "_causal", "_one_query"):
         original = getattr(ragged, name)
 
         def spy(query, *args, _original=original, _name=name, **kwargs):
@@ -383,9 +383,11 @@ def test_bf16_prompt_attention_rounds_prompt_chunks_and_leaves_decodes_alone(run
     assert not torch.allclose(rounded, plain, atol=1e-4)  # the chunks really were attended in bf16
 
     token = int(rounded[-1].argmax())
+    # the decode attended by itself, where the cast would reach it (not in the batched kernel)
+    monkeypatch.setattr(ragged, "BATCH_MAX_KEYS", 0)
     seen.clear()
     on = decode(rounded_kv, token)
+    assert seen == [("_one_query", torch.float32)] * layers
     monkeypatch.setattr(runner.loaded, "bf16_attention", False)
     off = decode(rounded_kv, token)
-    assert not [s for s in seen if s[1] == torch.bfloat16]
     assert torch.equal(on, off)  # a decode reads the same float32 KV the same way either way

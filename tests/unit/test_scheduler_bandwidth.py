@@ -78,10 +78,16 @@ def test_each_level_gets_the_rate_of_its_own_transfers():
     for _ in range(3):
         level_transfer(rates, "medium", 20_000, 0.02)  # 1 MB/s
         level_transfer(rates, "lossless", 200_000, 0.02)  # 10 MB/s
-    got = rates.for_levels(["lossless", "medium"], fallback=rates.bytes_per_second)
+    got = rates.for_levels(["lossless", "medium"], fallback=rates.bytes_per_second, floor=1.0)
     assert got["lossless"] == pytest.approx(10e6, rel=0.4)
     assert got["medium"] == pytest.approx(1e6, rel=0.4)
     assert got["medium"] < rates.bytes_per_second < got["lossless"]
+    # a store with no floor (a link) plans every level at the overall estimate
+    overall = rates.bytes_per_second
+    assert rates.for_levels(["lossless", "medium"], fallback=overall) == {
+        "lossless": overall,
+        "medium": overall,
+    }
 
 
 def test_a_level_not_measured_gets_the_fallback_raised_to_the_floor():
@@ -98,9 +104,33 @@ def test_under_a_floor_a_level_counts_once_its_transfers_add_up_to_the_evidence(
     rates = LinkRates(evidence_s=0.05)
     level_transfer(rates, "lossless", 20_000, 0.02)  # 1 MB/s, on 20 ms of transfers
     assert rates.for_levels(["lossless"], fallback=1.0, floor=5e6) == {"lossless": 5e6}
-    # without a floor there is nothing to hold: the estimate counts at once
-    assert rates.for_levels(["lossless"], fallback=1.0)["lossless"] == pytest.approx(1e6, rel=0.4)
     for _ in range(3):
         level_transfer(rates, "lossless", 20_000, 0.02)
     # a slow store says so: its own rate, below the floor, once it rests on enough transfers
     assert rates.for_levels(["lossless"], fallback=1.0, floor=5e6)["lossless"] == pytest.approx(1e6, rel=0.4)
+
+
+def test_a_level_not_read_for_a_while_goes_back_to_the_fallback():
+    """A level measured slow once (congestion) would never be planned, so never read, so never
+    measured again: once others have been read for ``stale_s`` without it, it is priced as a level
+    not measured yet."""
+    rates = LinkRates(stale_s=0.1, evidence_s=0.0)
+    level_transfer(rates, "lossless", 2_000, 0.02)  # 0.1 MB/s: a congested moment
+    level_transfer(rates, "medium", 20_000, 0.02)  # 1 MB/s, right after
+    assert rates.for_levels(["lossless"], fallback=5e6, floor=1.0)["lossless"] == pytest.approx(
+        0.1e6, rel=0.4
+    )
+    time.sleep(0.12)
+    level_transfer(rates, "medium", 20_000, 0.02)
+    assert rates.for_levels(["lossless"], fallback=5e6, floor=1.0) == {"lossless": 5e6}
+    assert rates.for_levels(["medium"], fallback=5e6, floor=1.0)["medium"] == pytest.approx(1e6, rel=0.4)
+
+
+def test_under_a_floor_enough_transfers_count_however_short():
+    """Small reads add up to little transfer time: a few of them are evidence too."""
+    rates = LinkRates(evidence_s=1.0, evidence_transfers=3)
+    for _ in range(2):
+        level_transfer(rates, "medium", 5_000, 0.005)  # 1 MB/s
+    assert rates.for_levels(["medium"], fallback=1.0, floor=5e6) == {"medium": 5e6}
+    level_transfer(rates, "medium", 5_000, 0.005)
+    assert rates.for_levels(["medium"], fallback=1.0, floor=5e6)["medium"] == pytest.approx(1e6, rel=0.5)
