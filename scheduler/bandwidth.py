@@ -84,11 +84,6 @@ class BandwidthEstimator:
         """The estimate, or None before the first transfer completed."""
         return self._rate
 
-    @property
-    def busy_seconds(self) -> float:
-        """The transfer time the estimate rests on: the busy time of the window it came from."""
-        return self._busy_s
-
     def snapshot(self) -> Estimate:
         """The estimate and what it rests on, as of one transfer (not torn by another's ``end``)."""
         with self._lock:
