@@ -147,6 +147,7 @@ async def health(request: Request) -> dict:
         "weights_dtype": "bfloat16" if gateway.runner.loaded.bf16_weights else None,
         # prompts' attention, where it differs from ``dtype`` (bf16 weights on AMX)
         "prompt_attention_dtype": "bfloat16" if gateway.runner.loaded.bf16_attention else None,
+        "mlp_activation_dtype": "bfloat16" if gateway.runner.loaded.bf16_mlp else None,
         "in_flight": gateway.admission.admitted,
     }
 

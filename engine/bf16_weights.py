@@ -11,7 +11,8 @@ fast path for.
 
 So only the linear layers' weights are bf16; the activations, the attention
 and the KV stay float32 (except that where these products are not
-batch-invariant, AMX, prompts attend in bf16: ``LoadedModel.bf16_attention``).
+batch-invariant, AMX, prompts attend in bf16 and the MLP's activations stay
+bf16 between its products: ``LoadedModel.bf16_attention``, ``bf16_mlp``).
 The inputs of each projection are rounded to bf16 and its outputs come back as
 float32 (oneDNN accumulates in float32). Measured
 on the default model with ``benchmarks/step_bench.py`` in one run: a decode
@@ -80,16 +81,19 @@ class Bf16WeightLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weight=bfloat16"
 
 
-def bf16_product(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``product`` (a bf16 matmul) of ``x`` rounded to bf16, returned in ``x``'s dtype. oneDNN's
-    one-row path sums in another order than its many-row one, so a one-row input is doubled and
-    the first row of the two-row product kept: a row then gets the same bits at every row count
-    where the kernels allow it (``sums_rows_alike``)."""
+def bf16_product(
+    x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``product`` (a bf16 matmul) of ``x`` rounded to bf16, returned in ``out_dtype`` (default:
+    ``x``'s). oneDNN's one-row path sums in another order than its many-row one, so a one-row
+    input is doubled and the first row of the two-row product kept: a row then gets the same
+    bits at every row count where the kernels allow it (``sums_rows_alike``)."""
+    out_dtype = out_dtype or x.dtype
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 1:
         doubled = rows.to(torch.bfloat16).expand(2, -1)
-        return product(doubled)[:1].to(x.dtype).reshape(*x.shape[:-1], -1)
-    return product(x.to(torch.bfloat16)).to(x.dtype)
+        return product(doubled)[:1].to(out_dtype).reshape(*x.shape[:-1], -1)
+    return product(x.to(torch.bfloat16)).to(out_dtype)
 
 
 def use_bf16_weights(model: nn.Module) -> int:

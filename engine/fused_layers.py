@@ -107,10 +107,11 @@ class PackedWeight:
                 ]
             )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The product of ``x``; bf16 weights return ``out_dtype`` (default: ``x``'s)."""
         if not self.bf16:
             return self._product(x)
-        return bf16_product(x, lambda rows: self._product(rows.contiguous()))
+        return bf16_product(x, lambda rows: self._product(rows.contiguous()), out_dtype)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -145,8 +146,11 @@ class FusedLayer:
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: Callable[..., tuple[torch.Tensor, None]],
+        bf16_mlp: bool = False,
     ) -> torch.Tensor:
-        """``hidden`` (1, tokens, hidden); ``cos``/``sin`` (1, tokens, head_dim, broadcast over heads)."""
+        """``hidden`` (1, tokens, hidden); ``cos``/``sin`` (1, tokens, head_dim, broadcast over heads).
+        ``bf16_mlp`` (bf16 weights only): the gate and up products come back in bf16 and SiLU and
+        their product run in bf16, which the down projection rounds its input to anyway."""
         tokens, dim = hidden.shape[1], self.head_dim
         weight, eps = self.input_norm
         x = self.qkv(F.rms_norm(hidden, weight.shape, weight, eps))
@@ -163,16 +167,19 @@ class FusedLayer:
         attended, _ = attention(module, query, key, value, None, scaling=module.scaling)
         hidden = hidden + self.o(attended.reshape(1, tokens, -1))
         weight, eps = self.post_norm
-        gate_up = self.gate_up(F.rms_norm(hidden, weight.shape, weight, eps))
+        inner = torch.bfloat16 if bf16_mlp else None
+        gate_up = self.gate_up(F.rms_norm(hidden, weight.shape, weight, eps), inner)
         mixed = F.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :]
-        return hidden + self.down(mixed)
+        return hidden + self.down(mixed, hidden.dtype)
 
 
 class FusedLlama:
     """A ``LlamaForCausalLM``'s forward over packed copies of its decoder's weights (see the module)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, bf16_mlp: bool = False) -> None:
         base = model.model
+        # the MLP's activations stay bf16 between its products (``FusedLayer``; bf16 weights only)
+        self.bf16_mlp = bf16_mlp
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.norm = base.norm
@@ -235,23 +242,24 @@ class FusedLlama:
         cos, sin = self.rotary(hidden, position_ids)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over the heads of (1, tokens, heads, dim)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, attention)
+            hidden = layer(hidden, cos, sin, attention, self.bf16_mlp)
         hidden = self.norm(hidden[0, keep])
         return self.head(hidden)
 
 
-def fuse_llama(model: nn.Module, batch_invariant: bool = False) -> FusedLlama | None:
+def fuse_llama(model: nn.Module, batch_invariant: bool = False, bf16_mlp: bool = False) -> FusedLlama | None:
     """The fused forward for ``model`` where it applies (see the module), else None.
 
     ``batch_invariant``: the model's own products give a row the same bits at every row count
     (``LoadedModel.batch_invariant``), so the fused ones must too: they are other shapes (the
-    fused projections) on another kernel (packed), and are probed before they are used."""
+    fused projections) on another kernel (packed), and are probed before they are used.
+    ``bf16_mlp``: ``LoadedModel.bf16_mlp``."""
     reason = _unsupported(model)
     if reason is not None:
         log.info("transformers' forward kept: %s", reason)
         return None
     try:
-        fused = FusedLlama(model)
+        fused = FusedLlama(model, bf16_mlp)
         # each distinct product runs here once (the row probe, or one row), so that a torch whose
         # oneDNN lacks a kernel (bf16) fails at start-up, not in the first request
         if batch_invariant and not fused.sums_rows_alike():

@@ -33,6 +33,7 @@ _CONVERSION_VERSION = "2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_WEIGHTS = "bf16-weights"
 BF16_ATTENTION_SUFFIX = "+bf16-attention"
+BF16_MLP_SUFFIX = "+bf16-mlp"
 
 
 class ModelLoadError(RuntimeError):
@@ -56,6 +57,10 @@ class LoadedModel:
     # weights on a CPU with native bf16 whose products are not batch-invariant anyway (AMX), where
     # bf16 flash attention runs 3x float32's (``engine.ragged``)
     bf16_attention: bool = False
+    # the same CPUs: the MLP's gate and up outputs stay bf16 through SiLU and their product, the
+    # down projection's input, which it rounds to bf16 anyway (``engine.fused_layers``: the fused
+    # forward only; ``ModelRunner`` clears it where that does not apply)
+    bf16_mlp: bool = False
 
     @property
     def precision(self) -> str:
@@ -65,6 +70,7 @@ class LoadedModel:
             str(self.dtype)
             + (PRECISION_SUFFIX if self.bf16_weights else "")
             + (BF16_ATTENTION_SUFFIX if self.bf16_attention else "")
+            + (BF16_MLP_SUFFIX if self.bf16_mlp else "")
         )
 
 
@@ -146,7 +152,7 @@ def load_model(
     slower still); the model's own dtype on a GPU. Or ``float32``, ``bfloat16``, ``float16``, or
     ``bf16-weights``: float32 activations and KV with bf16 weights in the linear layers
     (``engine.bf16_weights``); where those are not batch-invariant (AMX), prompts also attend in
-    bf16 (``LoadedModel.bf16_attention``).
+    bf16 and the MLP's activations stay bf16 (``LoadedModel.bf16_attention``, ``bf16_mlp``).
     """
     cache_dir = cache_dir or default_cache_dir()
     dev = pick_device(device)
@@ -189,6 +195,9 @@ def load_model(
             )
     if bf16_weights:
         use_bf16_weights(model)
+    # bf16 weights whose products are not batch-invariant anyway (AMX): there prompts attend in
+    # bf16 and the MLP keeps its activations in bf16 too
+    amx_bf16 = bf16_weights and not invariant and dev.type == "cpu" and native_bf16()
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -199,7 +208,8 @@ def load_model(
         weights_dir=_local_dir(path),
         bf16_weights=bf16_weights,
         batch_invariant=bf16_weights and invariant,
-        bf16_attention=bf16_weights and not invariant and dev.type == "cpu" and native_bf16(),
+        bf16_attention=amx_bf16,
+        bf16_mlp=amx_bf16,
     )
 
 

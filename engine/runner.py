@@ -63,7 +63,9 @@ class ModelRunner:
         # the engine's own forward over fused, packed projections where it applies (Llama on a CPU,
         # float32 or bf16 weights: engine.fused_layers); otherwise, and for anyone who calls the
         # model, transformers'
-        self.fused = fuse_llama(self.model, batch_invariant=loaded.batch_invariant)
+        self.fused = fuse_llama(self.model, batch_invariant=loaded.batch_invariant, bf16_mlp=loaded.bf16_mlp)
+        if self.fused is None and loaded.bf16_mlp:  # transformers' MLP computes in float32: say so in
+            loaded.bf16_mlp = False  # the precision, which the keys hold, before any key is made
         self.transformers_released = False  # release_transformers_weights
         self.kv_pool: KVPool | None = None  # where ``new_kv`` takes buffers from (``use_kv_pool``)
 

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine import ModelRunner, decode_attention, load_model, ragged
+from engine import ModelRunner, decode_attention, fused_layers, load_model, ragged
 from engine.bf16_weights import (
     Bf16WeightLinear,
     bf16_rows_invariant,
@@ -284,8 +284,9 @@ def test_bf16_weights_replace_every_linear_and_keep_the_answers(model_dir, runne
     # prompts attend in bf16 too where the bf16 products are not batch-invariant anyway (AMX),
     # and the precision, which every key holds, says so
     assert loaded.bf16_attention == (native_bf16() and not loaded.batch_invariant)
+    assert loaded.bf16_mlp == loaded.bf16_attention  # the same CPUs keep the MLP's activations bf16
     assert loaded.precision == "torch.float32+bf16-weights" + (
-        "+bf16-attention" if loaded.bf16_attention else ""
+        "+bf16-attention+bf16-mlp" if loaded.bf16_attention else ""
     )
     linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
     replaced = [m for m in loaded.model.modules() if isinstance(m, Bf16WeightLinear)]
@@ -391,3 +392,59 @@ def test_bf16_prompt_attention_rounds_prompt_chunks_and_leaves_decodes_alone(run
     monkeypatch.setattr(runner.loaded, "bf16_attention", False)
     off = decode(rounded_kv, token)
     assert torch.equal(on, off)  # a decode reads the same float32 KV the same way either way
+
+
+@pytest.mark.skipif(not native_bf16(), reason="the fused forward packs bf16 weights only with native bf16")
+def test_bf16_mlp_keeps_the_mlp_activations_bf16_between_its_products(model_dir, ids, monkeypatch):
+    """``LoadedModel.bf16_mlp``: the gate and up products return bf16, SiLU and their product run
+    in bf16 and the down projection returns float32; the residual stream, the KV and the logits
+    stay float32, for a prompt and for a one-row decode alike."""
+    loaded = load_model(str(model_dir), dtype="bf16-weights")
+    mixed = ModelRunner(loaded)
+    assert mixed.fused is not None
+    seen: list[tuple[tuple[int, int], torch.dtype, torch.dtype]] = []
+    original = fused_layers.PackedWeight.__call__
+
+    def spy(self, x, out_dtype=None):
+        out = original(self, x, out_dtype)
+        seen.append(((self.out_features, self.in_features), x.dtype, out.dtype))
+        return out
+
+    monkeypatch.setattr(fused_layers.PackedWeight, "__call__", spy)
+    layer = mixed.fused.layers[0]
+    width = {
+        name: (p.out_features, p.in_features)
+        for name, p in (("gate_up", layer.gate_up), ("down", layer.down))
+    }
+
+    def run(bf16_mlp: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        monkeypatch.setattr(mixed.fused, "bf16_mlp", bf16_mlp)
+        seen.clear()
+        kv = mixed.new_kv(len(ids) + 1)
+        prompt = mixed.forward_ragged([Segment(kv, 0, ids, "all")])[0]
+        dtypes = {name: {(x, out) for w, x, out in seen if w == width[name]} for name in width}
+        decode = mixed.forward_ragged([Segment(kv, len(ids), [int(prompt[-1].argmax())], decode=True)])[0]
+        assert kv.dtype == prompt.dtype == decode.dtype == torch.float32
+        return prompt, decode, dtypes
+
+    plain_prompt, plain_decode, plain = run(False)
+    assert plain == {"gate_up": {(torch.float32, torch.float32)}, "down": {(torch.float32, torch.float32)}}
+    prompt, decode, rounded = run(True)
+    assert rounded == {
+        "gate_up": {(torch.float32, torch.bfloat16)},
+        "down": {(torch.bfloat16, torch.float32)},
+    }
+    agreement = (prompt.argmax(-1) == plain_prompt.argmax(-1)).float().mean().item()
+    assert agreement > 0.95, agreement  # the extra rounding flips only near-ties
+    assert not torch.allclose(prompt, plain_prompt, atol=1e-4)  # and the MLP really ran in bf16
+    assert not torch.equal(decode, plain_decode)  # the one-row product (doubled) took it too
+
+
+def test_bf16_mlp_is_cleared_where_the_fused_forward_does_not_apply(model_dir, monkeypatch):
+    """transformers' forward computes the MLP in float32, so a runner without the fused forward
+    must not let the precision (and with it every key) claim bf16 MLP activations."""
+    loaded = load_model(str(model_dir), dtype="bf16-weights")
+    loaded.bf16_mlp = True
+    monkeypatch.setattr("engine.runner.fuse_llama", lambda *args, **kwargs: None)
+    ModelRunner(loaded)
+    assert not loaded.bf16_mlp and not loaded.precision.endswith("+bf16-mlp")

@@ -56,6 +56,8 @@ def test_health_says_the_weights_are_bf16(pair, bf16_invariant):
     prompts = "bfloat16" if native_bf16() and not bf16_invariant else None
     assert httpx.get(f"{bf16.url}/health").json()["prompt_attention_dtype"] == prompts
     assert httpx.get(f"{fp32.url}/health").json()["prompt_attention_dtype"] is None
+    assert httpx.get(f"{bf16.url}/health").json()["mlp_activation_dtype"] == prompts  # the same CPUs
+    assert httpx.get(f"{fp32.url}/health").json()["mlp_activation_dtype"] is None
 
 
 def test_each_precision_reuses_only_its_own_kv(pair):

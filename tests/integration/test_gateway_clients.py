@@ -55,3 +55,4 @@ def test_health_names_the_device_and_dtype(gateway, bf16_invariant):
     # CACHEGEN_DTYPE=auto: bf16 weights where they are native and batch-invariant
     assert health["weights_dtype"] == ("bfloat16" if bf16_invariant else None)
     assert health["prompt_attention_dtype"] is None  # bf16 prompt attention only beside non-invariant bf16
+    assert health["mlp_activation_dtype"] is None
