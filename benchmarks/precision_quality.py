@@ -24,8 +24,12 @@ from benchmarks.codec_quality import benchmark_texts
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def measure(dtype: str, texts: dict[str, str], tokens: int) -> dict[str, tuple[float, torch.Tensor]]:
-    """Per text: (perplexity, each position's most likely next token)."""
+def measure(
+    dtype: str, texts: dict[str, str], tokens: int
+) -> tuple[str, dict[str, tuple[float, torch.Tensor]]]:
+    """The precision ``dtype`` loads as here (``LoadedModel.precision``: AMX adds bf16 attention
+    and MLP activations to bf16 weights), and per text: (perplexity, each position's most likely
+    next token)."""
     from engine import ModelRunner, load_model
 
     runner = ModelRunner(load_model(dtype=dtype))
@@ -37,7 +41,7 @@ def measure(dtype: str, texts: dict[str, str], tokens: int) -> dict[str, tuple[f
         logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
         nll = -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
         out[name] = (math.exp(nll), logits.argmax(-1))
-    return out
+    return runner.loaded.precision, out
 
 
 def main() -> None:
@@ -48,7 +52,9 @@ def main() -> None:
     args = p.parse_args()
     texts = benchmark_texts()
     dtypes = args.dtypes.split(",")
-    measured = {dtype: measure(dtype, texts, args.tokens) for dtype in dtypes}
+    precisions, measured = {}, {}
+    for dtype in dtypes:
+        precisions[dtype], measured[dtype] = measure(dtype, texts, args.tokens)
     reference = measured[dtypes[0]]
     rows = []
     for dtype in dtypes[1:]:
@@ -67,7 +73,11 @@ def main() -> None:
             )
     out = args.out or RESULTS_DIR / f"precision_quality_{datetime.now():%Y%m%d_%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"reference": dtypes[0], "tokens": args.tokens, "rows": rows}, indent=2))
+    out.write_text(
+        json.dumps(
+            {"reference": dtypes[0], "precisions": precisions, "tokens": args.tokens, "rows": rows}, indent=2
+        )
+    )
     print(f"\n| precision | text | perplexity | {dtypes[0]} | change | top-1 agreement |")
     print("|---|---|---:|---:|---:|---:|")
     for r in rows:
