@@ -343,8 +343,9 @@ def test_warm_up_compiles_the_decode_kernel_for_the_models_layouts(runner, monke
     together = count_decode_batches(monkeypatch)
     runner.warm_up()
     assert together == [2] * runner.num_layers, "the warm-up's two sequences go through the kernel"
-    # the model's query, key and value are strided views: the kernel is compiled for those layouts
-    assert any(signature[0].layout == "A" for signature in decode_attention._attend.signatures)
+    # the model's query, key and value are strided views, passed as addresses and strides: the
+    # kernel keeps the one signature it was compiled for at import
+    assert len(decode_attention._attend.signatures) == 1
 
 
 def test_bf16_prompt_attention_rounds_prompt_chunks_and_leaves_decodes_alone(runner, ids, monkeypatch):

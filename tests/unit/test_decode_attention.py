@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.decode_attention import DecodeTable, supports
+from engine import decode_attention
+from engine.decode_attention import DecodeTable, shares, supports
 
 LAYERS, KV_HEADS, Q_HEADS, DIM = 3, 3, 9, 64
 
@@ -84,3 +88,50 @@ def test_only_float32_cpu_kv_with_contiguous_channels_is_taken():
         DecodeTable([(0, [kv.transpose(3, 4)])])
     with pytest.raises(ValueError, match="float32"):
         DecodeTable([(0, [kv.bfloat16()])])
+
+
+@pytest.fixture
+def torch_threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_the_split_over_torch_threads_changes_no_bits(step, torch_threads):
+    """A layer's pairs are shared out over the caller's torch threads in one OpenMP region of
+    torch's own runtime: every thread count gives the outputs (and KV writes) of one thread."""
+    query, key, value, _, sequences = step
+    assert sys.platform != "linux" or decode_attention._PARALLEL is not None, "torch's libgomp is found"
+    results = {}
+    for threads in (1, 2, 3):
+        torch_threads(threads)
+        out = torch.full_like(query, float("nan"))
+        table = DecodeTable(sequences)
+        table.attend(1, query, key, value, 0.125, out)
+        assert table._call[decode_attention.THREADS] == (threads if decode_attention._PARALLEL else 1)
+        results[threads] = out
+    rows = [row for row, _ in sequences]
+    assert not torch.isnan(results[1][0, :, rows]).any()
+    for threads in (2, 3):
+        assert torch.equal(results[threads][0, :, rows], results[1][0, :, rows])
+    for row, parts in sequences:
+        want = reference(query[0, :, row], parts, 1, 0.125)
+        torch.testing.assert_close(results[2][0, :, row], want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_table_with_fewer_pairs_than_threads_uses_fewer_threads(step, torch_threads):
+    query, key, value, _, sequences = step
+    torch_threads(8)
+    table = DecodeTable(sequences[:1])  # one sequence: KV_HEADS pairs
+    table.attend(0, query, key, value, None, torch.empty_like(query))
+    assert table._call[decode_attention.THREADS] <= KV_HEADS
+
+
+def test_shares_are_contiguous_runs_of_about_equal_cost():
+    costs = np.array([1, 1, 1, 100, 1, 1, 100, 1])
+    bounds = shares(costs, 2)
+    assert bounds[0] == 0 and bounds[-1] == len(costs) and list(bounds) == sorted(bounds)
+    halves = [costs[bounds[0] : bounds[1]].sum(), costs[bounds[1] : bounds[2]].sum()]
+    assert max(halves) <= 105, halves
+    assert list(shares(np.ones(6, dtype=np.int64), 3)) == [0, 2, 4, 6]
+    assert list(shares(np.ones(2, dtype=np.int64), 1)) == [0, 2]
