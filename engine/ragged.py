@@ -21,15 +21,18 @@ sequence's numbers never depend on what shares its step (batch invariance):
   in float32 (``benchmarks/results/invariance_cost_amx.json``);
 - the step's decodes (one token each), where the model is not
   batch-invariant anyway, are attended together in one batched call per
-  layer: their keys and values are gathered into a padded batch
-  (``_DecodeBatch``), which costs a copy of their KV but saves a dozen small
-  tensor operations per sequence and layer. In the gateway that is what 16
+  layer: on a CPU with float32 KV by ``engine.decode_attention``'s kernel,
+  over each sequence's KV in place, however long; elsewhere their keys and
+  values are gathered into a padded batch (``_DecodeBatch``), which costs a
+  copy of their KV but saves a dozen small tensor operations per sequence
+  and layer. In the gateway that is what 16
   clients' tokens/s rests on: attended one by one they got 0.68x of it
   (``python -m benchmarks.setting_ab --baseline 3408c48 --concurrency 16``,
   the model thread's many small operations contend for the GIL with the
   event loop's; an in-process step alone showed no difference). A decode
-  whose context is longer than ``BATCH_MAX_KEYS`` is attended alone: for
-  long sequences the gather costs more than the loop it saves;
+  whose context is longer than ``BATCH_MAX_KEYS`` is not gathered into a
+  padded batch: for long sequences the gather costs more than the loop it
+  saves;
 - where the model is batch-invariant, and for those long decodes, a decode
   (``Segment.decode``, a sampled token) is two matmuls and a softmax over its
   own keys (``_one_query``), or over its parts (``_attend_parts``) when it
@@ -118,9 +121,10 @@ class Segment:
         return [*self.shared, self.kv[:, :, :, : self.end - self.offset]]
 
 
-# decodes over longer contexts are attended one by one: there torch's matmuls on all the step's
-# threads beat the one-thread kernel (2 cores, one decode over 2,000 keys: 0.30 against 0.50 ms)
-# and a padded batch's gather costs more than the loop it saves
+# decodes over longer contexts are not gathered into a padded batch (``_DecodeBatch``): its gather
+# costs more than the loop it saves. The CPU kernel takes every length: on both cores it is as fast
+# as torch's matmuls for one decode over 2,000-3,500 keys and faster for several (a step of 8
+# decodes over 2,000 keys, 2 cores: 97 against 130 ms attended one by one)
 BATCH_MAX_KEYS = 1024
 
 
@@ -173,18 +177,19 @@ def active(segments: Sequence[Segment], tiled: bool = False, bf16_prompts: bool 
     """Route this thread's attention calls to ``segments`` for the duration. ``tiled`` (the model
     is batch-invariant): prompt chunks on a CPU go to ``engine.tiled_attention`` (the same bits
     however a prompt is cut) and every decode is attended by itself; otherwise the one-token
-    segments of at most ``BATCH_MAX_KEYS`` keys are attended together: by
-    ``engine.decode_attention`` (float32 on a CPU) or as a padded batch (``_DecodeBatch``).
+    segments are attended together: by ``engine.decode_attention`` (float32 on a CPU, any length)
+    or, those of at most ``BATCH_MAX_KEYS`` keys, as a padded batch (``_DecodeBatch``).
     ``bf16_prompts``: untiled prompt chunks attend in bf16 (the module docstring)."""
+    kernel = decode_attention.supports(segments[0].kv)
     work, ones, at = [], [], 0
     for segment in segments:
         tiles = tiled and not segment.decode and segment.kv.device.type == "cpu"
         work.append((segment, at, TiledPrefill(segment) if tiles else None))
-        if not tiled and len(segment.token_ids) == 1 and segment.end <= BATCH_MAX_KEYS:
+        if not tiled and len(segment.token_ids) == 1 and (kernel or segment.end <= BATCH_MAX_KEYS):
             ones.append((segment, at))
         at += len(segment.token_ids)
     decodes: DecodeTable | _DecodeBatch | None = None
-    if ones and decode_attention.supports(segments[0].kv):
+    if ones and kernel:
         decodes = DecodeTable([(row, segment.kv_parts()) for segment, row in ones])
     elif len(ones) > 1:
         decodes = _DecodeBatch(ones, segments[0].kv.device)

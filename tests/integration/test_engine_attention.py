@@ -386,6 +386,7 @@ def test_bf16_prompt_attention_rounds_prompt_chunks_and_leaves_decodes_alone(run
 
     token = int(rounded[-1].argmax())
     # the decode attended by itself, where the cast would reach it (not in the batched kernel)
+    monkeypatch.setattr(decode_attention, "supports", lambda kv: False)
     monkeypatch.setattr(ragged, "BATCH_MAX_KEYS", 0)
     seen.clear()
     on = decode(rounded_kv, token)
