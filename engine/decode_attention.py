@@ -379,6 +379,12 @@ def shares(costs: np.ndarray, threads: int) -> np.ndarray:
 
 # a pair's cost in its keys, plus a fixed part (its query, softmax and output)
 _PAIR_OVERHEAD = 8
+# the fewest keys (all the step's decodes together) worth a parallel region: under it the call
+# takes a few microseconds a layer, and waking torch's workers (asleep while a one-row step's
+# products ran on the calling thread alone) costs more. Split, against the one-thread kernel
+# before (``benchmarks/decode_kernel_ab.py``, 2 cores): one decode over 100 keys 1.075x a step's
+# time, 4 over 100 1.00x, 8 over 100 0.98x, one over 2,000 0.96x
+PARALLEL_MIN_KEYS = 512
 
 
 class DecodeTable:
@@ -407,24 +413,29 @@ class DecodeTable:
         self.parts = np.array(table, dtype=np.int64).reshape(-1, 6)
         self.first_part = np.array(first, dtype=np.int64)
         self._keep = [parts for _, parts in sequences]  # the addresses stay valid while the table lives
+        self.keys = int(self.parts[:, TOKENS].sum())
         self._call: np.ndarray | None = None
+        self._layout: tuple | None = None  # what ``_call`` was made for
 
-    def _record(self, query: torch.Tensor, key: torch.Tensor, threads: int) -> np.ndarray:
-        """The call record's per-step fields, and the pairs' split over ``threads``."""
-        kv_heads = key.shape[1]
+    def _record(self, tensors: tuple[torch.Tensor, ...], scale: float | None, threads: int) -> np.ndarray:
+        """The call record's fields that hold for the whole step: the table, the shapes, the step
+        tensors' strides and the scale, and the pairs' split over ``threads``."""
+        query, key = tensors[0], tensors[1]
+        for tensor in tensors:
+            if tensor.stride(3) != 1 or tensor.dtype != torch.float32:
+                raise ValueError("decode_attention takes float32 step tensors with a contiguous dim")
         call = np.zeros(BOUNDS + threads + 1, dtype=np.int64)
         call[ROWS], call[PARTS], call[FIRST_PART] = (
             a.ctypes.data for a in (self.rows, self.parts, self.first_part)
         )
-        call[SEQUENCES], call[PART_COUNT] = len(self.rows), len(self.parts)
-        call[Q_HEADS], call[KV_HEADS], call[DIM], call[THREADS] = (
-            query.shape[1],
-            kv_heads,
-            query.shape[3],
-            threads,
-        )
+        call[SEQUENCES], call[PART_COUNT], call[THREADS] = len(self.rows), len(self.parts), threads
+        call[Q_HEADS], call[KV_HEADS], call[DIM] = query.shape[1], key.shape[1], query.shape[3]
+        for field, tensor in zip((QUERY, KEY, VALUE, OUT), tensors, strict=True):
+            call[field + 1], call[field + 2] = tensor.stride(1), tensor.stride(2)
+        scale = query.shape[3] ** -0.5 if scale is None else scale
+        call[SCALE_BITS] = np.array(scale, dtype=np.float32).view(np.int32)
         tokens = np.add.reduceat(self.parts[:, TOKENS], self.first_part[:-1])
-        call[BOUNDS:] = shares(np.repeat(tokens + _PAIR_OVERHEAD, kv_heads), threads)
+        call[BOUNDS:] = shares(np.repeat(tokens + _PAIR_OVERHEAD, key.shape[1]), threads)
         return call
 
     def attend(
@@ -433,18 +444,17 @@ class DecodeTable:
     ) -> None:  # fmt: skip
         """The decodes' new keys and values (``key``, ``value``: (1, kv_heads, tokens, dim), the
         step's) into their buffers, then their outputs into ``out`` (1, q_heads, tokens, dim) for
-        ``query`` (the same shape). Each of the four may have any strides but a contiguous dim."""
-        threads = torch.get_num_threads() if _PARALLEL is not None else 1
+        ``query`` (the same shape). Each of the four may have any strides but a contiguous dim;
+        every layer of a step passes the same layouts and scale (checked, cheaply, by the strides)."""
+        threads = torch.get_num_threads() if _PARALLEL is not None and self.keys >= PARALLEL_MIN_KEYS else 1
         threads = max(1, min(threads, len(self.rows) * key.shape[1]))
+        tensors = (query, key, value, out)
+        layout = (threads, scale, *(tensor.stride() for tensor in tensors))
+        if layout != self._layout:
+            self._call, self._layout = self._record(tensors, scale, threads), layout
         call = self._call
-        if call is None or call[THREADS] != threads:
-            call = self._call = self._record(query, key, threads)
-        scale = query.shape[3] ** -0.5 if scale is None else scale
-        call[LAYER], call[SCALE_BITS] = layer, np.array(scale, dtype=np.float32).view(np.int32)
-        for field, tensor in ((QUERY, query), (KEY, key), (VALUE, value), (OUT, out)):
-            if tensor.stride(3) != 1 or tensor.dtype != torch.float32:
-                raise ValueError("decode_attention takes float32 step tensors with a contiguous dim")
-            call[field : field + 3] = tensor.data_ptr(), tensor.stride(1), tensor.stride(2)
+        call[LAYER] = layer
+        call[QUERY], call[KEY], call[VALUE], call[OUT] = (tensor.data_ptr() for tensor in tensors)
         if threads == 1:
             _attend(call, self.rows, self.parts, self.first_part, 0, int(call[BOUNDS + 1]))
         else:

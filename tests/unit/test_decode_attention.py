@@ -122,9 +122,18 @@ def test_the_split_over_torch_threads_changes_no_bits(step, torch_threads):
 def test_a_table_with_fewer_pairs_than_threads_uses_fewer_threads(step, torch_threads):
     query, key, value, _, sequences = step
     torch_threads(8)
-    table = DecodeTable(sequences[:1])  # one sequence: KV_HEADS pairs
+    table = DecodeTable(sequences[4:])  # one sequence over 2,100 keys: KV_HEADS pairs
     table.attend(0, query, key, value, None, torch.empty_like(query))
-    assert table._call[decode_attention.THREADS] <= KV_HEADS
+    assert table._call[decode_attention.THREADS] == (KV_HEADS if decode_attention._PARALLEL else 1)
+
+
+def test_a_step_of_few_keys_stays_on_the_calling_thread(step, torch_threads):
+    query, key, value, _, sequences = step
+    torch_threads(2)
+    table = DecodeTable(sequences[:2])  # 1 + 137 keys
+    assert table.keys < decode_attention.PARALLEL_MIN_KEYS
+    table.attend(0, query, key, value, None, torch.empty_like(query))
+    assert table._call[decode_attention.THREADS] == 1
 
 
 def test_shares_are_contiguous_runs_of_about_equal_cost():
