@@ -71,15 +71,24 @@ _FLOAT_BYTES = 4
 _FAST = {"reassoc", "contract", "nsz"}
 
 
-@intrinsic
-def _float_pointer(typingctx, address):
-    """A float32 pointer to the byte ``address`` (an int64)."""
-    signature = types.CPointer(types.float32)(types.int64)
+def _pointer_to(element: types.Type):
+    """An intrinsic that makes a pointer to ``element`` values of the byte address it is given (an
+    int64)."""
 
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+    @intrinsic
+    def pointer(typingctx, address):
+        signature = types.CPointer(element)(types.int64)
 
-    return signature, codegen
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+        return signature, codegen
+
+    return pointer
+
+
+_float_pointer = _pointer_to(types.float32)
+_int_pointer = _pointer_to(types.int64)
 
 
 @numba.njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
@@ -124,17 +133,6 @@ def _softmax(x, powers):  # pragma: no cover - compiled
     PART_COUNT, THREADS, BOUNDS,
 ) = range(24)  # fmt: skip
 _LINE = 64  # bytes a prefetch brings in
-
-
-@intrinsic
-def _int_pointer(typingctx, address):
-    """An int64 pointer to the byte ``address``."""
-    signature = types.CPointer(types.int64)(types.int64)
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
-
-    return signature, codegen
 
 
 @intrinsic
