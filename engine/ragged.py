@@ -33,7 +33,7 @@ sequence's numbers never depend on what shares its step (batch invariance):
   whose context is longer than ``BATCH_MAX_KEYS`` is not gathered into a
   padded batch: for long sequences the gather costs more than the loop it
   saves;
-- where the model is batch-invariant, and for those long decodes, a decode
+- where the model is batch-invariant, and for long decodes off the kernel (a GPU, bf16 KV), a decode
   (``Segment.decode``, a sampled token) is two matmuls and a softmax over its
   own keys (``_one_query``), or over its parts (``_attend_parts``) when it
   reads shared KV: the same shapes alone or batched (a padded batch's sums
