@@ -107,7 +107,8 @@ def test_prompts_in_fixed_tiles_match_stock_transformers(runner, ids, monkeypatc
     monkeypatch.setattr(TiledPrefill, "attend", lambda self, *a: calls.append(1) or attend(self, *a))
     together = count_decode_batches(monkeypatch)
     sequences, logits = mixed_step(tiled, ids)
-    assert together == [], "batch-invariant: every decode is attended by itself"
+    # the kernel attends each decode by itself: a batch-invariant model's decodes share its call
+    assert together == [3] * runner.num_layers, "the step's 3 decodes are attended in one call"
     kv = tiled.new_kv(301)
     tiled.forward_ragged([Segment(kv, 0, ids[:77], "none")])
     sequences.append(ids[:301])
@@ -144,14 +145,16 @@ def bf16_runner(model_dir) -> ModelRunner:
 
 
 def test_with_bf16_weights_a_sequence_gets_the_same_bits_alone_as_in_any_step(
-    bf16_runner, ids, bf16_invariant
+    bf16_runner, ids, bf16_invariant, monkeypatch
 ):
     """Batch invariance: a prompt prefilled in one pass and decoded alone, against the same prompt
     cut into other chunks beside other prefills and decoded beside other decodes. bf16 weights round
-    every projection's input, so any difference in the sums would show here, grown over 30 layers."""
+    every projection's input, so any difference in the sums would show here, grown over 30 layers.
+    The decodes go to the kernel: alone on one thread, batched split over the OpenMP team."""
     if not bf16_invariant:
         pytest.skip("this CPU's bf16 products sum rows by the row count (AMX): auto is float32 here")
     runner = bf16_runner
+    together = count_decode_batches(monkeypatch)
     prompt, follow = ids[:300], ids[300:304]
     kv = runner.new_kv(310)
     alone = runner.forward_ragged([Segment(kv, 0, prompt)])
@@ -173,6 +176,7 @@ def test_with_bf16_weights_a_sequence_gets_the_same_bits_alone_as_in_any_step(
         Segment(others[2], 0, ids[50:80]),
     ]
     batched = [runner.forward_ragged(step)[1]]
+    monkeypatch.setattr(decode_attention, "PARALLEL_MIN_KEYS", 0)  # any step's decodes on every thread
     for i, token in enumerate(follow):
         step = [
             Segment(others[0], 150 + i, [6], decode=True),
@@ -180,6 +184,8 @@ def test_with_bf16_weights_a_sequence_gets_the_same_bits_alone_as_in_any_step(
             Segment(others[2], 30 + i, [7], decode=True),
         ]
         batched.append(runner.forward_ragged(step)[1])
+    layers = runner.num_layers
+    assert together == [1] * len(follow) * layers + [1] * layers + [3] * len(follow) * layers
     for position, (a, b) in enumerate(zip(alone, batched)):
         assert a is not None and b is not None
         assert torch.equal(a, b), f"logits {position}: {(a - b).abs().max()}"
