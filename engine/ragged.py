@@ -185,11 +185,12 @@ def active(segments: Sequence[Segment], tiled: bool = False, bf16_prompts: bool 
     for segment in segments:
         tiles = tiled and not segment.decode and segment.kv.device.type == "cpu"
         work.append((segment, at, TiledPrefill(segment) if tiles else None))
-        if len(segment.token_ids) == 1:
-            # the kernel attends each sequence by itself, so a batch-invariant model's decodes go to
-            # it too (a one-token chunk of a prompt stays in its tiles); a padded batch does not
-            if (kernel and (segment.decode or not tiled)) or (not tiled and segment.end <= BATCH_MAX_KEYS):
-                ones.append((segment, at))
+        # the kernel attends each sequence by itself, so a batch-invariant model's decodes go to it
+        # too (a one-token chunk of a prompt stays in its tiles); a padded batch does not
+        in_kernel = kernel and (segment.decode or not tiled)
+        padded = not tiled and segment.end <= BATCH_MAX_KEYS
+        if len(segment.token_ids) == 1 and (in_kernel or padded):
+            ones.append((segment, at))
         at += len(segment.token_ids)
     decodes: DecodeTable | _DecodeBatch | None = None
     if ones and kernel:
