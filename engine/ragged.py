@@ -19,25 +19,27 @@ sequence's numbers never depend on what shares its step (batch invariance):
   row-invariant anyway) it goes to SDPA's fused causal kernel (a first chunk)
   or ``_attend_parts`` (a later one): 13% less time for a 3.6K-token prompt
   in float32 (``benchmarks/results/invariance_cost_amx.json``);
-- the step's decodes (one token each), where the model is not
-  batch-invariant anyway, are attended together in one batched call per
-  layer: on a CPU with float32 KV by ``engine.decode_attention``'s kernel,
-  over each sequence's KV in place, however long; elsewhere their keys and
-  values are gathered into a padded batch (``_DecodeBatch``), which costs a
-  copy of their KV but saves a dozen small tensor operations per sequence
-  and layer. In the gateway that is what 16
-  clients' tokens/s rests on: attended one by one they got 0.68x of it
-  (``python -m benchmarks.setting_ab --baseline 3408c48 --concurrency 16``,
-  the model thread's many small operations contend for the GIL with the
-  event loop's; an in-process step alone showed no difference). A decode
-  whose context is longer than ``BATCH_MAX_KEYS`` is not gathered into a
-  padded batch: for long sequences the gather costs more than the loop it
-  saves;
-- where the model is batch-invariant, and for long decodes off the kernel (a GPU, bf16 KV), a decode
-  (``Segment.decode``, a sampled token) is two matmuls and a softmax over its
-  own keys (``_one_query``), or over its parts (``_attend_parts``) when it
-  reads shared KV: the same shapes alone or batched (a padded batch's sums
-  depend on its longest member).
+- the step's decodes (one token each) are attended together in one batched
+  call per layer: on a CPU with float32 KV by ``engine.decode_attention``'s
+  kernel, over each sequence's KV in place, however long. The kernel computes
+  each (sequence, KV head) pair the same way whatever shares its call and
+  however the call is split over threads, so a batch-invariant model's
+  decodes (``Segment.decode``) go to it too. Elsewhere (a GPU, bf16 KV), where
+  the model is not batch-invariant anyway, their keys and values are gathered
+  into a padded batch (``_DecodeBatch``), which costs a copy of their KV but
+  saves a dozen small tensor operations per sequence and layer. In the
+  gateway that is what 16 clients' tokens/s rests on: attended one by one
+  they got 0.68x of it in float32 (``python -m benchmarks.setting_ab
+  --baseline 3408c48 --concurrency 16``) and 0.43x with batch-invariant bf16
+  weights (``setting_ab_invariant_kernel.json``): the model thread's many
+  small operations contend for the GIL with the event loop's; an in-process
+  step alone showed no difference. A decode whose context is longer than
+  ``BATCH_MAX_KEYS`` is not gathered into a padded batch: for long sequences
+  the gather costs more than the loop it saves;
+- off the kernel, where the model is batch-invariant, and for long decodes, a decode is two
+  matmuls and a softmax over its own keys (``_one_query``), or over its parts (``_attend_parts``)
+  when it reads shared KV: the same shapes alone or batched (a padded batch's sums depend on its
+  longest member).
 
 transformers lets a model name its attention function; the runner registers
 ``ragged_attention`` under ``ATTENTION_NAME`` and switches the model to it.
@@ -98,7 +100,7 @@ class Segment:
     # read-only KV of the first tokens, in order, each (layers, 2, kv_heads, tokens, head_dim);
     # ``kv`` holds the tokens after them, from its index 0
     shared: tuple[torch.Tensor, ...] = ()
-    # one sampled token (attended by itself: ``_one_query``, or ``_attend_parts`` over shared KV),
+    # one sampled token (the decode kernel's, or ``_one_query`` / ``_attend_parts`` over shared KV),
     # not a prompt's (``engine.tiled_attention`` on a CPU): a one-token chunk of a prompt is a prompt's
     decode: bool = False
 
@@ -176,9 +178,10 @@ _state = threading.local()
 def active(segments: Sequence[Segment], tiled: bool = False, bf16_prompts: bool = False) -> Iterator[None]:
     """Route this thread's attention calls to ``segments`` for the duration. ``tiled`` (the model
     is batch-invariant): prompt chunks on a CPU go to ``engine.tiled_attention`` (the same bits
-    however a prompt is cut) and every decode is attended by itself; otherwise the one-token
-    segments are attended together: by ``engine.decode_attention`` (float32 on a CPU, any length)
-    or, those of at most ``BATCH_MAX_KEYS`` keys, as a padded batch (``_DecodeBatch``).
+    however a prompt is cut). The one-token segments are attended together by
+    ``engine.decode_attention`` (float32 on a CPU, any length; with ``tiled``, decodes only) or,
+    untiled and of at most ``BATCH_MAX_KEYS`` keys, as a padded batch (``_DecodeBatch``); the
+    others each by itself.
     ``bf16_prompts``: untiled prompt chunks attend in bf16 (the module docstring)."""
     kernel = decode_attention.supports(segments[0].kv)
     work, ones, at = [], [], 0
