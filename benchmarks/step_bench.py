@@ -4,14 +4,15 @@ For each precision (``--dtypes``: ``float32``, ``bf16-weights``, ``bfloat16``)
 the default model is loaded and, for each batch size, a decode step is timed:
 
 - ``step``: the step loop's path (``engine/ragged.py``): the decodes in one
-  call per layer (the compiled kernel, ``engine/decode_attention.py``, in
-  float32 on a CPU; a padded batch otherwise), or each by itself where the
-  model is batch-invariant;
+  call per layer (the compiled kernel, ``engine/decode_attention.py``, with
+  float32 KV on a CPU; otherwise a padded batch, or each by itself where the
+  model is batch-invariant);
 - ``padded decodes``: the step loop's path with the decodes gathered into a
-  padded batch (``_DecodeBatch``) instead of the kernel (where it applies);
-- ``plain head``: the step loop's path with the output projection as a plain
-  ``nn.Linear`` (MKL), where the runner has packed it for oneDNN
-  (``engine/packed_linear.py``: float32 on a CPU);
+  padded batch (``_DecodeBatch``) instead of the kernel (where the model is
+  not batch-invariant);
+- ``plain head``: the step loop's path with the output projection unpacked
+  (a plain ``nn.Linear``, MKL; or bf16 through ``F.linear``), where the runner
+  has packed it for oneDNN (``engine/packed_linear.py``: float32 or bf16 weights on a CPU);
 - ``transformers forward``: the step loop's path through transformers' own
   model forward (plain ``nn.Linear`` projections), where the runner has the
   fused forward (``engine/fused_layers.py``: Llama on a CPU, float32 or bf16 weights);
@@ -92,9 +93,14 @@ def padded_step(runner, buffers, lengths):
 
 
 def with_plain_head(runner, step):
-    """``step`` with the model's output projection swapped for a plain ``nn.Linear`` of the same weight."""
+    """``step`` with the model's output projection unpacked: a plain ``nn.Linear`` of the same weight,
+    or a bf16 one (``Bf16WeightLinear``) on its own weight."""
+    from engine.bf16_weights import Bf16WeightLinear
+
     model = runner.model
     packed = model.get_output_embeddings()
+    if isinstance(packed, Bf16WeightLinear):
+        return _bf16_unpacked(packed, step)
     plain = torch.nn.Linear(packed.in_features, packed.out_features, bias=packed.bias is not None)
     plain.weight, plain.bias = packed.weight, packed.bias
 
@@ -104,6 +110,17 @@ def with_plain_head(runner, step):
             step()
         finally:
             model.set_output_embeddings(packed)
+
+    return run
+
+
+def _bf16_unpacked(head, step):
+    def run() -> None:
+        packed, head.packed = head.packed, None
+        try:
+            step()
+        finally:
+            head.packed = packed
 
     return run
 

@@ -73,12 +73,26 @@ class Bf16WeightLinear(nn.Module):
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         )
+        # a copy of ``weight`` in oneDNN's blocked layout, which the products then run on (``pack``)
+        self.packed: torch.Tensor | None = None
+
+    def pack(self, rows: int) -> None:
+        """Multiply from now on with a copy of the weight reordered once into oneDNN's blocked layout
+        for ``rows`` rows (``engine.packed_linear``: the output projection). The weight stays."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return bf16_product(x, lambda rows: F.linear(rows, self.weight, self.bias))
+        packed = self.packed
+        if packed is None:
+            return bf16_product(x, lambda rows: F.linear(rows, self.weight, self.bias))
+        bias = None if self.bias is None else self.bias.detach()
+        return bf16_product(
+            x, lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+        )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight=bfloat16"
+        packed = ", packed=oneDNN" if self.packed is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=bfloat16{packed}"
 
 
 def bf16_product(

@@ -26,6 +26,8 @@ import logging
 import torch
 from torch import nn
 
+from engine.bf16_weights import Bf16WeightLinear, native_bf16, sums_rows_alike
+
 log = logging.getLogger(__name__)
 
 # oneDNN picks its blocked layout for this many rows; a decode step's batch
@@ -50,11 +52,17 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
-def pack_output_projection(model: nn.Module) -> bool:
-    """Replace ``model``'s output projection by a ``PackedLinear`` where that applies; True if it did."""
+def pack_output_projection(model: nn.Module, batch_invariant: bool = False) -> bool:
+    """Pack ``model``'s output projection where that applies; True if it is packed.
+
+    A float32 ``nn.Linear`` is replaced by a ``PackedLinear``. A bf16 one (``Bf16WeightLinear``)
+    packs its own bf16 weight (``_pack_bf16``); where the model is ``batch_invariant``, only if
+    the packed product keeps that."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(head, PackedLinear):  # a second runner over the same model
+    if isinstance(head, PackedLinear) or getattr(head, "packed", None) is not None:  # a second runner
         return True
+    if isinstance(head, Bf16WeightLinear):
+        return _pack_bf16(head, batch_invariant)
     weight = getattr(head, "weight", None)
     if type(head) is not nn.Linear or weight is None:
         return False
@@ -70,4 +78,25 @@ def pack_output_projection(model: nn.Module) -> bool:
         log.warning("output projection left unpacked: %s", exc)
         return False
     model.set_output_embeddings(packed)
+    return True
+
+
+def _pack_bf16(head: Bf16WeightLinear, batch_invariant: bool) -> bool:
+    """``head.pack`` on a CPU with native bf16: on an AMD EPYC (Zen 4, 2 cores) the vocabulary
+    projection took 2.1 ms at 2 rows and 3.3 ms at 16 packed, against 3.7 and 5.7 ms through
+    ``F.linear`` (the same bits). A batch-invariant model keeps it only if a row still gets the
+    same bits at every row count (``sums_rows_alike``, on the real weight: about 0.1 s)."""
+    if head.weight.device.type != "cpu" or not native_bf16():
+        return False
+    try:
+        head.pack(PACK_FOR_ROWS)
+        with torch.inference_mode():
+            if batch_invariant and not sums_rows_alike(head, head.in_features):
+                head.packed = None
+                log.info("bf16 output projection left unpacked: its packed product is not row-invariant")
+                return False
+    except (RuntimeError, AttributeError) as exc:  # a torch built without these oneDNN ops
+        head.packed = None
+        log.warning("bf16 output projection left unpacked: %s", exc)
+        return False
     return True

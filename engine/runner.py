@@ -59,7 +59,8 @@ class ModelRunner:
         self.eos_token_ids: frozenset[int] = _eos_ids(loaded)
         check_supported(config)
         self.model.set_attn_implementation(ATTENTION_NAME)
-        self.packed_output = pack_output_projection(self.model)  # float32 on a CPU: engine.packed_linear
+        # the output projection on a weight packed for oneDNN where it applies: engine.packed_linear
+        self.packed_output = pack_output_projection(self.model, loaded.batch_invariant)
         # the engine's own forward over fused, packed projections where it applies (Llama on a CPU,
         # float32 or bf16 weights: engine.fused_layers); otherwise, and for anyone who calls the
         # model, transformers'
