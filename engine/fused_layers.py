@@ -207,9 +207,11 @@ class FusedLlama:
                 product(torch.zeros(1, product.in_features))
 
     def release_plain_weights(self, model: nn.Module) -> int:
-        """Free ``model``'s own decoder projection weights, which this forward does not read: each
-        becomes a meta tensor of its shape. Returns the bytes given back. transformers' forward
-        over ``model`` fails from then on, as does a digest of its parameters.
+        """Free ``model``'s own decoder projection weights, which this forward does not read, and a
+        bf16 output projection's own weight where it multiplies on a packed copy
+        (``engine.packed_linear``): each becomes a meta tensor of its shape. Returns the bytes
+        given back. transformers' forward over ``model`` fails from then on, as does a digest of
+        its parameters.
 
         transformers maps a safetensors file into memory and its parameters are views of that
         mapping, so a freed weight's pages would stay resident while any other parameter keeps
@@ -217,13 +219,19 @@ class FusedLlama:
         out of it, the mapping closes, and its pages leave the RSS (on the default model 1,666
         -> 1,231 MiB)."""
         freed = 0
-        for layer in model.model.layers[: len(self.layers)]:
-            for linear in (*_projections(layer.self_attn, "qkvo"), *_projections(layer.mlp, _MLP)):
-                weight = linear.weight
-                if weight.device.type == "meta":
-                    continue
-                freed += weight.numel() * weight.element_size()
-                linear.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+        linears = [
+            linear
+            for layer in model.model.layers[: len(self.layers)]
+            for linear in (*_projections(layer.self_attn, "qkvo"), *_projections(layer.mlp, _MLP))
+        ]
+        if isinstance(self.head, Bf16WeightLinear) and self.head.packed is not None:
+            linears.append(self.head)
+        for linear in linears:
+            weight = linear.weight
+            if weight.device.type == "meta":
+                continue
+            freed += weight.numel() * weight.element_size()
+            linear.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
         if freed:
             for param in model.parameters():  # tied ones once, and the same objects keep the ties
                 if param.device.type != "meta":

@@ -120,6 +120,23 @@ def test_a_serving_runner_gives_the_plain_weights_back_and_still_answers_the_sam
     assert serving.release_transformers_weights() == 0  # and nothing twice
 
 
+def test_a_bf16_serving_runner_gives_back_its_packed_output_projections_weight_too(model_dir, ids):
+    serving = ModelRunner(load_model(str(model_dir), dtype="bf16-weights"))
+    head = serving.model.get_output_embeddings()
+    if serving.fused is None or head.packed is None:
+        pytest.skip("no fused forward or no packed bf16 output projection on this CPU")
+    projections = [
+        m for layer in serving.model.model.layers for m in layer.modules() if isinstance(m, Bf16WeightLinear)
+    ]
+    expected = sum(m.weight.numel() * 2 for m in (*projections, head))
+    want = serving.forward_ragged([Segment(serving.new_kv(40), 0, ids[:40], "all")])[0]
+
+    assert serving.release_transformers_weights() == expected
+    assert head.weight.device.type == "meta" and head.packed is not None
+    got = serving.forward_ragged([Segment(serving.new_kv(40), 0, ids[:40], "all")])[0]
+    assert got is not None and torch.equal(got, want)
+
+
 def test_the_fused_forward_is_left_out_where_it_does_not_apply():
     gelu = LlamaForCausalLM(_tiny_config(hidden_act="gelu"))
     assert fuse_llama(gelu) is None
