@@ -55,5 +55,5 @@ fi
 "$PY" -c "from engine.loading import convert_default_model, default_cache_dir; print(convert_default_model(default_cache_dir()))"
 # Build the gateway once, as the Docker image does: that compiles the codec's and the engine's numba
 # kernels into numba's cache (beside the sources, or $NUMBA_CACHE_DIR), so that the first start
-# takes ~9 s instead of ~37 s (2-core Zen 4; the build itself ~27 s).
+# takes ~10 s instead of 26-37 s (2-core Zen 4; the build itself ~28 s; benchmarks/startup.py).
 CACHEGEN_STORE=memory:// "$PY" -c "from app.build import build_gateway; from app.settings import Settings; build_gateway(Settings())"
