@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.gateway_process import free_port, wait_healthy
+from tests.gateway_process import GatewayProcess
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -40,24 +40,10 @@ SETUP_BUILD = (
 
 def start_seconds(numba_cache: Path, root: Path) -> float:
     """One gateway's start, until it is healthy; it is stopped again."""
-    port = free_port()
-    env = {**os.environ, "CACHEGEN_STORE": f"file://{root}/store", "NUMBA_CACHE_DIR": str(numba_cache)}
+    env = {"CACHEGEN_STORE": f"file://{root}/store", "NUMBA_CACHE_DIR": str(numba_cache)}
     started = time.perf_counter()
-    with (root / "gateway.log").open("ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            if not wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=600):
-                raise RuntimeError(f"the gateway did not start in 600 s; see {root / 'gateway.log'}")
-            return time.perf_counter() - started
-        finally:
-            proc.terminate()
-            proc.wait(30)
+    with GatewayProcess(env, root / "gateway.log"):
+        return time.perf_counter() - started
 
 
 def setup_build_seconds(numba_cache: Path) -> float:
